@@ -1,0 +1,1 @@
+"""Topology -> logical DP -> balanced, padded, mini/micro-batched per-rank shares."""

@@ -1,0 +1,1 @@
+"""Backend-independent protocol: what a trajectory is and how it is born, stored, scored and cleared."""

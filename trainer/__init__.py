@@ -1,0 +1,1 @@
+"""Composition root: config -> store -> rollout -> reward -> advantage -> dispatch -> engine."""
