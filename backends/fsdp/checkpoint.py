@@ -1,0 +1,88 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (model, optimizer) plus scheduler, RNG, step and extras."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+__all__ = ["save", "load", "full_weights", "load_full_weights", "CheckpointError"]
+
+ENGINE_STATE = "engine_state.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or weight dict that does not fit the engine."""
+
+
+def _rng_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rng_rank{rank}.pt")
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(path: str, model, optimizer, lr_scheduler, step: int, extra_state: dict | None) -> None:
+    """Write the sharded model/optimizer (DCP), then scheduler, step and extras (rank 0) and each rank's RNG."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=path)
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save({"lr_scheduler": lr_scheduler.state_dict(), "step": int(step), "extra_state": extra_state or {},
+                    "world_size": dist.get_world_size()}, os.path.join(path, ENGINE_STATE))
+    torch.save(_rng_state(), _rng_file(path, rank))
+    dist.barrier()
+
+
+def load(path: str, model, optimizer, lr_scheduler) -> tuple[int, dict]:
+    """Restore what :func:`save` wrote, resharding onto this world size; returns (step, extra_state)."""
+    meta = os.path.join(path, ENGINE_STATE)
+    if not os.path.isfile(meta):
+        raise CheckpointError(f"{path!r} is not an engine checkpoint: {ENGINE_STATE} is missing")
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    engine_state = torch.load(meta, weights_only=False)
+    lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+    rank = dist.get_rank()
+    rng_path = _rng_file(path, rank) if os.path.isfile(_rng_file(path, rank)) else _rng_file(path, 0)
+    rng = torch.load(rng_path, weights_only=False)  # a rank absent from the saving world takes rank 0's streams
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    dist.barrier()
+    return int(engine_state["step"]), engine_state["extra_state"]
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter unsharded, fp32 or its storage dtype, on CPU, on every rank (one all-gather each)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().cpu()
+    return out
+
+
+def load_full_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load full (unsharded) weights given in the model's own names; missing/extra names or shapes are errors."""
+    own = {n: p for n, p in model.named_parameters()}
+    missing = sorted(set(own) - set(state_dict))
+    extra = sorted(set(state_dict) - set(own))
+    if missing or extra:
+        raise KeyError(f"set_weights: missing parameters {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+                       f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}")
+    for n, p in own.items():
+        if tuple(state_dict[n].shape) != tuple(p.shape):
+            raise CheckpointError(f"set_weights: {n} has shape {tuple(state_dict[n].shape)}, the model expects "
+                                  f"{tuple(p.shape)}")
+    set_model_state_dict(model, {n: t for n, t in state_dict.items()},
+                         options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,274 @@
+"""The FSDP2 engine: packed (remove-padding) micro-batches, optional HSDP mesh and Ulysses SP, global-count losses."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.utils.rnn import pad_sequence
+
+from backends.base import Engine, Share, register_engine
+from backends.config import EngineConfig
+from backends.fsdp import checkpoint as ckpt
+from backends.fsdp.share import ShareView, read_share
+from backends.fsdp.ulysses import check_sp_heads, gather_seq, pad_to_multiple, ulysses_attention
+from backends.loss import allreduce_counts, response_logit_positions, token_logprobs_and_entropy
+from backends.model.llama import LlamaModel
+from backends.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from protocol.losses import entropy_bonus, global_counts, kl_loss, policy_loss
+from protocol.nested import to_nested
+
+__all__ = ["FSDPEngine", "resolve_dtype"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, key: str, on_gpu: bool) -> torch.dtype:
+    """Map a dtype name from config (``auto`` = bf16 on GPU, fp32 on CPU) to a torch dtype."""
+    if name == "auto":
+        return torch.bfloat16 if on_gpu else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"{key} must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@register_engine("fsdp")
+class FSDPEngine(Engine):
+    """FSDP2 (``fully_shard`` per decoder block and at the root) over the project's Llama model.
+
+    Mesh: 1-D over all ranks, or 2-D (replicate x shard) when ``fsdp.fsdp_size`` < world. Ranks are grouped into
+    (dp, sp) with ``sp = fsdp.ulysses_sp`` fastest: DP rank = rank // sp, SP rank = rank % sp.
+    """
+
+    def __init__(self, config: EngineConfig, topology: Any = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("FSDPEngine needs torch.distributed.init_process_group to have been called")
+        self.config = config
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.world_size, self.rank = world, rank
+        on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        fc = config.fsdp
+        sp = int(fc.ulysses_sp)
+        check_sp_heads(config.model.num_heads, config.model.num_kv_heads, sp)
+        if world % sp:
+            raise ValueError(f"actor.fsdp.ulysses_sp={sp} must divide the world size {world}")
+        fsdp_size = world if fc.fsdp_size in (-1, None) else int(fc.fsdp_size)
+        if fsdp_size < 1 or world % fsdp_size:
+            raise ValueError(f"actor.fsdp.fsdp_size={fc.fsdp_size} must be -1 or a divisor of the world size {world}")
+        self.sp_size = sp
+        self._dp_size = world // sp
+        self._dp_rank, self.sp_rank = rank // sp, rank % sp
+        if topology is not None:
+            self._check_topology(topology)
+        self.topology = topology
+        dev = self.device.type
+        if fsdp_size == world:
+            self.fsdp_mesh = init_device_mesh(dev, (world,), mesh_dim_names=("fsdp",))
+        else:
+            self.fsdp_mesh = init_device_mesh(dev, (world // fsdp_size, fsdp_size),
+                                              mesh_dim_names=("replicate", "shard"))
+        self.dp_sp_mesh = init_device_mesh(dev, (self._dp_size, sp), mesh_dim_names=("dp", "sp"))
+        self._dp_group = self.dp_sp_mesh["dp"].get_group()
+        self.sp_group = self.dp_sp_mesh["sp"].get_group()
+        self._attention = ulysses_attention(self.sp_group) if sp > 1 else None
+
+        torch.manual_seed(config.seed)
+        model = LlamaModel.from_seed(config.model, config.seed).to(self.device)
+        model.activation_checkpointing = bool(fc.activation_checkpointing)
+        param_dtype = resolve_dtype(fc.param_dtype, "actor.fsdp.param_dtype", on_gpu)
+        reduce_dtype = resolve_dtype(fc.reduce_dtype, "actor.fsdp.reduce_dtype", on_gpu)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for layer in model.layers:
+            fully_shard(layer, mesh=self.fsdp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=self.fsdp_mesh, mp_policy=mp)
+        self.model = model
+        self.optimizer = build_optimizer(model.parameters(), config.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
+        self.global_step = 0
+        # FSDP averages gradients over all `world` ranks of its mesh. Each DP replica's loss is its share of the
+        # step loss (normalised by the global counts); its sp ranks all carry that whole share, and the sequence
+        # all-gather's backward sums their sp copies. Scaling by world / sp = dp_size turns the average into the
+        # plain sum of the replicas' shares, i.e. the single-process full-batch gradient.
+        self.loss_scale = float(self._dp_size)
+
+    # ---- topology -------------------------------------------------------------------------------------------
+    def _check_topology(self, topology: Any) -> None:
+        dp = getattr(topology, "dp_size", None)
+        dpr = topology.dp_rank(self.rank) if hasattr(topology, "dp_rank") else None
+        if dp != self._dp_size or dpr != self._dp_rank:
+            raise ValueError(f"topology says dp_size={dp}, dp_rank({self.rank})={dpr}, but the FSDP engine with "
+                             f"ulysses_sp={self.sp_size} on {self.world_size} ranks has dp_size={self._dp_size}, "
+                             f"dp_rank={self._dp_rank}; build the topology from the same actor.fsdp config")
+
+    @property
+    def dp_size(self) -> int:
+        return self._dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self._dp_rank
+
+    @property
+    def dp_group(self) -> Any:
+        return self._dp_group
+
+    @property
+    def is_reporting_rank(self) -> bool:
+        return self.sp_rank == 0
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    def _logprobs(self, view: ShareView, mb: list[int], temperature: float, with_entropy: bool,
+                  entropy_grad: bool = True):
+        """Flat log-probs (and entropy) of the response tokens of micro-batch ``mb``, samples in ``mb`` order."""
+        ids = torch.cat([view.input_ids[i] for i in mb]).to(self.device, torch.long)
+        lens = [view.seq_lens[i] for i in mb]
+        rls = [view.response_lens[i] for i in mb]
+        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)
+        if self.sp_size == 1:
+            logits = self.model(ids, pos, cu)
+            if with_entropy and not entropy_grad:
+                lp, _ = token_logprobs_and_entropy(logits, ids, cu, rls, temperature, False)
+                with torch.no_grad():
+                    _, ent = token_logprobs_and_entropy(logits.detach(), ids, cu, rls, temperature, True)
+                return lp, ent
+            return token_logprobs_and_entropy(logits, ids, cu, rls, temperature, with_entropy)
+        total = ids.shape[0]
+        ids_p, pos_p, cu_p, _ = pad_to_multiple(ids, pos, cu, self.sp_size)
+        tl = ids_p.shape[0] // self.sp_size
+        local = slice(self.sp_rank * tl, (self.sp_rank + 1) * tl)
+        logits = self.model(ids_p[local], pos_p[local], cu_p, attention=self._attention)
+        labels = torch.roll(ids_p, -1)[local]  # the logits at t predict token t + 1
+        z = logits.float() / temperature
+        logp = z.log_softmax(-1)
+        lp_local = logp.gather(-1, labels[:, None]).squeeze(-1)
+        idx = response_logit_positions(cu, rls)[0].to(self.device)
+        lp = gather_seq(lp_local, self.sp_group)[:total].index_select(0, idx)
+        ent = None
+        if with_entropy:
+            zz = z if entropy_grad else z.detach()
+            ent_local = torch.logsumexp(zz, -1) - (zz.softmax(-1) * zz).sum(-1)
+            ent = gather_seq(ent_local, self.sp_group)[:total].index_select(0, idx)
+        return lp, ent
+
+    def _padded(self, rows: list[torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+        return pad_sequence([r.to(self.device, dtype) for r in rows], batch_first=True)
+
+    # ---- train -----------------------------------------------------------------------------------------------
+    def train_batch(self, share: Share) -> dict[str, float]:
+        """One optimizer step on this replica's share; metrics are global (identical on every rank)."""
+        t0 = time.perf_counter()
+        lc = self.config.loss
+        view = read_share(share, train=True, use_kl_loss=lc.use_kl_loss,
+                          max_tokens=self.config.max_token_len_per_gpu)
+        temperature = float(getattr(lc, "temperature", 1.0))
+        horizon = getattr(lc, "horizon", None)
+        n = view.n
+        mask_all = pad_sequence([m.bool() for m in view.response_mask], batch_first=True) if n else \
+            torch.zeros(0, 0, dtype=torch.bool)
+        tokens, seqs = global_counts(mask_all, view.is_padding)
+        n_mb = len(share.micro_batches)
+        # The step's global counts, all-reduced once before the first backward (plus a micro-batch count check).
+        g_tokens, g_seqs, s_mb, s_mb2 = allreduce_counts([tokens, seqs, n_mb, n_mb * n_mb], self._dp_group)
+        if s_mb2 * self._dp_size != s_mb * s_mb:
+            raise ValueError(f"every DP rank must run the same number of micro-batches; DP rank {self._dp_rank} has "
+                             f"{n_mb}, the mean over {self._dp_size} ranks is {s_mb / self._dp_size:g}")
+        if n_mb == 0:
+            raise ValueError("train_batch got a share with no micro-batches; every DP rank needs at least one")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        want_ent = lc.entropy_coeff != 0
+        sums = torch.zeros(6, dtype=torch.float64)  # loss, pg_loss, clipfrac, approx_kl, entropy, kl
+        for i, mb in enumerate(share.micro_batches):
+            self.model.set_requires_gradient_sync(i == n_mb - 1)
+            lp, ent = self._logprobs(view, mb, temperature, with_entropy=True, entropy_grad=want_ent)
+            rls = [view.response_lens[j] for j in mb]
+            lp_p = pad_sequence(list(lp.split(rls)), batch_first=True)
+            ent_p = pad_sequence(list(ent.split(rls)), batch_first=True)
+            mask = self._padded([view.response_mask[j] for j in mb], torch.bool)
+            if view.is_padding is not None:
+                mask = mask & ~view.is_padding[mb].to(self.device)[:, None]
+            old = self._padded([view.old_log_probs[j] for j in mb])
+            adv = self._padded([view.advantages[j] for j in mb])
+            pg, m = policy_loss(old, lp_p, adv, mask, clip_ratio_low=lc.clip_ratio_low,
+                                clip_ratio_high=lc.clip_ratio_high, clip_ratio_c=lc.clip_ratio_c,
+                                loss_agg_mode=lc.loss_agg_mode, global_tokens=g_tokens, global_seqs=g_seqs,
+                                horizon=horizon)
+            loss = pg
+            ent_share = entropy_bonus(ent_p, mask, lc.loss_agg_mode, g_tokens, g_seqs, horizon=horizon)
+            if want_ent:
+                loss = loss - lc.entropy_coeff * ent_share
+            kl = torch.zeros(())
+            if lc.use_kl_loss:
+                ref = self._padded([view.ref_log_prob[j] for j in mb])
+                kl = kl_loss(lp_p, ref, mask, lc.kl_loss_type, lc.loss_agg_mode, g_tokens, g_seqs, horizon=horizon)
+                loss = loss + lc.kl_loss_coef * kl
+            (loss * self.loss_scale).backward()
+            sums += torch.tensor([float(loss), float(pg), float(m["clipfrac"]), float(m["approx_kl"]),
+                                  float(ent_share), float(kl)], dtype=torch.float64)
+        self.model.set_requires_gradient_sync(True)
+        grad_norm, finite = clip_grad_norm(self.model.parameters(), self.config.optim.clip_grad)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        if finite:
+            self.optimizer.step()
+        else:  # a non-finite gradient norm: keep the parameters and the optimizer state, report the skip
+            self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        self.global_step += 1
+        tot = allreduce_counts(sums.tolist(), self._dp_group)
+        return {
+            "loss": tot[0], "pg_loss": tot[1], "pg_clipfrac": tot[2], "ppo_kl": tot[3], "entropy": tot[4],
+            "kl_loss": tot[5], "grad_norm": grad_norm, "lr": lr, "tokens": g_tokens, "seqs": g_seqs,
+            "skipped": 0.0 if finite else 1.0, "micro_batches": float(n_mb), "time": time.perf_counter() - t0,
+            "global_step": float(self.global_step),
+        }
+
+    # ---- infer -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def infer_batch(self, share: Share, *, temperature: float = 1.0, with_entropy: bool = False):
+        """Log-probs (and entropy) of every response token, jagged, in share order, on SP rank 0 of each replica."""
+        view = read_share(share, train=False, max_tokens=self.config.max_token_len_per_gpu)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+        self.model.eval()
+        lps: list[torch.Tensor | None] = [None] * view.n
+        ents: list[torch.Tensor | None] = [None] * view.n
+        try:
+            for mb in share.micro_batches:
+                lp, ent = self._logprobs(view, mb, temperature, with_entropy)
+                rls = [view.response_lens[j] for j in mb]
+                for j, x in zip(mb, lp.split(rls)):
+                    lps[j] = x.float().cpu()
+                if with_entropy:
+                    for j, x in zip(mb, ent.split(rls)):
+                        ents[j] = x.float().cpu()
+        finally:
+            self.model.train()
+        if not self.is_reporting_rank:
+            return None
+        out = {"log_probs": to_nested(lps)}
+        if with_entropy:
+            out["entropy"] = to_nested(ents)
+        return TensorDict(out, batch_size=[view.n])
+
+    # ---- weights and checkpoints -----------------------------------------------------------------------------
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        return ckpt.full_weights(self.model)
+
+    def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        ckpt.load_full_weights(self.model, state_dict)
+
+    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
+        ckpt.save(path, self.model, self.optimizer, self.lr_scheduler, self.global_step, extra_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        self.global_step, extra = ckpt.load(path, self.model, self.optimizer, self.lr_scheduler)
+        return extra

@@ -1,0 +1,102 @@
+"""Read and validate an engine share: per-sample token fields, lengths, padding flags and the token budget."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import Share
+
+__all__ = ["ShareView", "read_share", "ShareError"]
+
+TRAIN_FIELDS = ("input_ids", "response_mask", "old_log_probs", "advantages")
+INFER_FIELDS = ("input_ids", "response_mask")
+
+
+class ShareError(ValueError):
+    """A share whose fields, lengths or micro-batches cannot be computed on; the message names the field."""
+
+
+@dataclass
+class ShareView:
+    """Per-sample 1-D tensors of a share (positions as in ``share.data``) and their lengths."""
+
+    n: int
+    input_ids: list[torch.Tensor]
+    response_mask: list[torch.Tensor]
+    seq_lens: list[int]
+    response_lens: list[int]
+    old_log_probs: list[torch.Tensor] | None = None
+    advantages: list[torch.Tensor] | None = None
+    ref_log_prob: list[torch.Tensor] | None = None
+    is_padding: torch.Tensor | None = None
+
+
+def _rows(data, name: str, n: int) -> list[torch.Tensor]:
+    t = data.get(name)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"share field {name!r} must be a tensor (jagged nested or dense [n, L]), got {type(t).__name__}")
+    if t.is_nested:
+        if t.layout != torch.jagged:
+            raise TypeError(f"share field {name!r} must use the torch.jagged nested layout, got {t.layout}")
+        rows = list(t.unbind())
+    elif t.dim() == 2:
+        rows = list(t.unbind(0))
+    else:
+        raise ShareError(f"share field {name!r} must be per-sample 1-D (jagged [n, *] or dense [n, L]), "
+                         f"got shape {tuple(t.shape)}")
+    if len(rows) != n:
+        raise ShareError(f"share field {name!r} has {len(rows)} samples, the share has {n}")
+    for i, r in enumerate(rows):
+        if r.dim() != 1:
+            raise ShareError(f"share field {name!r} sample {i} must be 1-D, got shape {tuple(r.shape)}")
+    return rows
+
+
+def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_tokens: int | None = None) -> ShareView:
+    """Unpack ``share`` into per-sample rows, checking every field, length and the micro-batch token budget."""
+    if not isinstance(share, Share):
+        raise TypeError(f"expected a backends.base.Share, got {type(share).__name__}")
+    data = share.data
+    n = int(data.batch_size[0]) if len(data.batch_size) else 0
+    need = list(TRAIN_FIELDS if train else INFER_FIELDS) + (["ref_log_prob"] if train and use_kl_loss else [])
+    present = set(data.keys())
+    missing = [f for f in need if f not in present]
+    if missing:
+        why = " (actor.loss.use_kl_loss is on)" if "ref_log_prob" in missing else ""
+        raise KeyError(f"share is missing field(s) {missing}{why}; it has {sorted(map(str, present))}")
+    ids = _rows(data, "input_ids", n)
+    rmask = _rows(data, "response_mask", n)
+    seq_lens = [int(r.shape[0]) for r in ids]
+    rlens = [int(r.shape[0]) for r in rmask]
+    for i, (s, r) in enumerate(zip(seq_lens, rlens)):
+        if r > s - 1:
+            raise ShareError(f"sample {i}: response_len={r} (from response_mask) needs prompt_len = seq_len - "
+                             f"response_len >= 1, but seq_len={s} (from input_ids)")
+    for i, x in enumerate(ids):
+        if x.is_floating_point():
+            raise TypeError(f"share field 'input_ids' must hold integer token ids, sample {i} has dtype {x.dtype}")
+    view = ShareView(n=n, input_ids=ids, response_mask=rmask, seq_lens=seq_lens, response_lens=rlens)
+    if train:
+        for name in ("old_log_probs", "advantages") + (("ref_log_prob",) if use_kl_loss else ()):
+            rows = _rows(data, name, n)
+            for i, (x, r) in enumerate(zip(rows, rlens)):
+                if x.shape[0] != r:
+                    raise ShareError(f"share field {name!r} sample {i} has length {x.shape[0]}, expected "
+                                     f"response_len={r} (the length of its response_mask)")
+            setattr(view, name, rows)
+    if "is_padding" in present:
+        pad = data.get("is_padding")
+        if not isinstance(pad, torch.Tensor) or pad.is_nested or tuple(pad.shape) != (n,):
+            raise ShareError(f"share field 'is_padding' must be a dense [n]=[{n}] bool tensor, got "
+                             f"{tuple(pad.shape) if isinstance(pad, torch.Tensor) else type(pad).__name__}")
+        view.is_padding = pad.bool()
+    if max_tokens is not None:
+        for k, mb in enumerate(share.micro_batches):
+            total = sum(seq_lens[i] for i in mb)
+            if total > max_tokens:
+                big = max(mb, key=lambda i: seq_lens[i])
+                raise ShareError(f"micro-batch {k} holds {total} tokens over {len(mb)} samples, more than "
+                                 f"max_token_len_per_gpu={max_tokens} (its longest, sample {big}, has seq_len="
+                                 f"{seq_lens[big]}); re-plan micro-batches with this budget or raise it")
+    return view

@@ -1,0 +1,496 @@
+"""The megatron-core engine: TP / PP / VPP / CP / DP parallel state, GPTModel chunks, the pipeline schedule and the
+distributed optimizer behind the project's :class:`backends.base.Engine` interface.
+
+megatron-core keeps its parallel state in module globals; they live only inside this package. One engine per
+process at a time: :meth:`MegatronEngine.close` tears the state down so tests can build another configuration.
+"""
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from backends.base import Engine, Share, register_engine
+from backends.config import EngineConfig
+from backends.megatron import checkpoint as ckpt
+from backends.megatron.batch import MicroBatch, ShareError, make_micro_batch, share_lengths
+from backends.megatron.convert import ConversionError, expected_project_names, from_megatron_shards, to_megatron_shard
+from backends.megatron.cpu_shim import apply_cpu_shim
+from backends.megatron.logprob import vocab_parallel_logprobs_entropy
+from backends.megatron.model import build_model_chunks, te_available, transformer_config
+from backends.optim import lr_factor
+from protocol.losses import entropy_bonus, kl_loss, policy_loss
+from protocol.nested import to_nested
+
+__all__ = ["MegatronEngine", "TopologyMismatch", "parallel_coords"]
+
+# local-spec parameter names -> transformer-engine spec names (norms fused into the following linear)
+_TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+_TRAIN_FIELDS = ("old_log_probs", "advantages")
+
+
+class TopologyMismatch(ValueError):
+    """The dispatch layer's topology disagrees with the engine config or with megatron-core's parallel state."""
+
+
+def parallel_coords() -> dict[str, int]:
+    """This rank's coordinates as megatron-core's parallel state sees them (dp excludes cp, as logical DP does)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "dp": ps.get_data_parallel_rank(with_context_parallel=False),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp_size": ps.get_data_parallel_world_size(with_context_parallel=False),
+    }
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+@register_engine("megatron")
+class MegatronEngine(Engine):
+    """megatron-core engine; ``MegatronEngine(config, topology)`` after ``torch.distributed.init_process_group``.
+
+    Weights start from ``LlamaModel.from_seed(config.model, config.seed)`` converted to megatron-core's layout,
+    so both backends begin from the same model.
+    """
+
+    def __init__(self, config: EngineConfig, topology: Any) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronEngine needs torch.distributed.init_process_group() to have been called")
+        self.config = config
+        self.topology = topology
+        par = config.megatron
+        self._check_topology_config(topology, par)
+        apply_cpu_shim()
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        if ps.model_parallel_is_initialized():
+            raise RuntimeError("megatron-core parallel state is already initialised in this process; close() the "
+                               "previous MegatronEngine first")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        self.use_te = te_available()
+        self.packed = self.use_te  # THD packed sequences need the TE attention kernels
+        self._closed = False
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=par.tp,
+            pipeline_model_parallel_size=par.pp,
+            virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
+            context_parallel_size=par.cp,
+            expert_model_parallel_size=par.ep,
+            expert_tensor_parallel_size=par.etp,
+        )
+        try:
+            model_parallel_cuda_manual_seed(int(config.seed))
+            self._check_topology_parallel_state(topology)
+            self.tcfg = transformer_config(config.model, par,
+                                           dtype=torch.bfloat16 if self.use_te else torch.float32)
+            chunks = build_model_chunks(config.model, par, self.tcfg, use_te=self.use_te)
+            self._build_ddp_and_optimizer(chunks)
+            from backends.model.llama import LlamaModel
+
+            self.set_weights(LlamaModel.from_seed(config.model, int(config.seed)).state_dict())
+        except BaseException:
+            ps.destroy_model_parallel()
+            raise
+        self.step = 0
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _check_topology_config(topology: Any, par) -> None:
+        if getattr(topology, "backend", "megatron") != "megatron":
+            raise TopologyMismatch(f"topology.backend is {topology.backend!r}; the megatron engine needs a "
+                                   "topology built with backend='megatron'")
+        for key in ("tp", "pp", "vpp", "cp", "ep"):
+            want = getattr(par, key)
+            got = getattr(topology, key, want)
+            if int(got) != int(want):
+                raise TopologyMismatch(f"topology.{key} = {got} but megatron.{key} = {want}; build the topology "
+                                       "from the same megatron config section")
+        world = dist.get_world_size()
+        if int(getattr(topology, "world_size", world)) != world:
+            raise TopologyMismatch(f"topology.world_size = {topology.world_size} but torch.distributed has "
+                                   f"{world} ranks")
+
+    def _check_topology_parallel_state(self, topology: Any) -> None:
+        """Every rank's (dp, tp, pp, cp, reporting) from megatron-core must equal the dispatch layer's."""
+        mine = parallel_coords()
+        from megatron.core import parallel_state as ps
+
+        mine["reporting"] = int(mine["tp"] == 0 and mine["cp"] == 0 and ps.is_pipeline_last_stage(ignore_virtual=True))
+        gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(gathered, mine)
+        if int(topology.dp_size) != mine["dp_size"]:
+            raise TopologyMismatch(f"topology.dp_size = {topology.dp_size} but megatron-core's data-parallel size "
+                                   f"is {mine['dp_size']}")
+        for rank, got in enumerate(gathered):
+            want_dp = int(topology.dp_rank(rank))
+            coords = topology.coords(rank)
+            want = {"dp": want_dp}
+            for key in ("tp", "pp", "cp"):
+                if key in coords:
+                    want[key] = int(coords[key])
+            want["reporting"] = int(bool(topology.is_reporting(rank)))
+            for key, value in want.items():
+                if got[key] != value:
+                    raise TopologyMismatch(
+                        f"global rank {rank}: dispatch says {key} = {value}, megatron-core's parallel state says "
+                        f"{got[key]} (dispatch {want}, megatron-core {got})")
+
+    def _build_ddp_and_optimizer(self, chunks: list) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        par, opt = self.config.megatron, self.config.optim
+        if par.use_distributed_optimizer and opt.name != "adamw":
+            raise ValueError(f"megatron.use_distributed_optimizer = true needs optim.name = 'adamw' (megatron-core's "
+                             f"distributed optimizer supports Adam only), got optim.name = {opt.name!r}; set "
+                             "megatron.use_distributed_optimizer = false to use SGD")
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            use_distributed_optimizer=par.use_distributed_optimizer, check_for_nan_in_grad=False,
+        )
+        self.chunks = [
+            DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
+
+        def finalize(model, num_tokens, **kwargs):
+            # the loss already divides by the step's global token / sequence counts: sum gradients, no rescale
+            finalize_model_grads(model, None, **kwargs)
+
+        self.tcfg.finalize_model_grads_func = finalize
+        self.tcfg.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+        self.tcfg.grad_sync_func = None
+        self.tcfg.param_sync_func = None
+        ocfg = OptimizerConfig(
+            optimizer="adam" if opt.name == "adamw" else "sgd",
+            lr=opt.lr, min_lr=opt.lr * opt.min_lr_ratio, weight_decay=opt.weight_decay,
+            adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_eps=opt.eps, decoupled_weight_decay=True,
+            sgd_momentum=0.0, clip_grad=opt.clip_grad,
+            bf16=self.tcfg.bf16, params_dtype=self.tcfg.params_dtype,
+            use_distributed_optimizer=par.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(ocfg, self.chunks)
+        self._sub_optimizers = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def close(self) -> None:
+        """Release the model, optimizer and megatron-core's parallel state (another engine may be built after)."""
+        if self._closed:
+            return
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import random as tp_random
+
+        self.chunks, self.optimizer, self._sub_optimizers = [], None, []
+        dist.barrier()
+        ps.destroy_model_parallel()
+        tp_random.initialize_rng_tracker(force_reset=True)
+        self._closed = True
+
+    # ------------------------------------------------------------------ interface: parallel facts
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size(with_context_parallel=False)
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(with_context_parallel=False)
+
+    @property
+    def dp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_context_parallel=False)
+
+    @property
+    def is_reporting_rank(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+                and ps.is_pipeline_last_stage(ignore_virtual=True))
+
+    # ------------------------------------------------------------------ weights
+    def _chunk_layout(self, chunk) -> tuple[list[int], bool, bool]:
+        gpt = _unwrap(chunk)
+        layers = [int(layer.layer_number) - 1 for layer in gpt.decoder.layers] if hasattr(gpt, "decoder") else []
+        return layers, bool(gpt.pre_process), bool(gpt.post_process)
+
+    def _param_name(self, gpt, name: str) -> str:
+        if not self.use_te:
+            return name
+        for local, te in _TE_RENAMES.items():
+            if name.endswith(local):
+                return name[: -len(local)] + te
+        return name
+
+    @torch.no_grad()
+    def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        from megatron.core import parallel_state as ps
+
+        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        sd = {k: v.detach().to("cpu", torch.float32) for k, v in state_dict.items()}
+        for chunk in self.chunks:
+            layers, pre, post = self._chunk_layout(chunk)
+            shard = to_megatron_shard(sd, self.config.model, tp_rank=tp_rank, tp_size=tp, layers=layers,
+                                      pre_process=pre, post_process=post)
+            gpt = _unwrap(chunk)
+            params = dict(gpt.named_parameters())
+            for name, value in shard.items():
+                pname = self._param_name(gpt, name)
+                if pname not in params:
+                    raise ConversionError(f"converted weight {name!r} has no parameter {pname!r} in the megatron "
+                                          f"model chunk (has {sorted(params)[:8]}...)")
+                p = params.pop(pname)
+                if tuple(p.shape) != tuple(value.shape):
+                    raise ConversionError(f"converted weight {name!r} has shape {tuple(value.shape)}, the megatron "
+                                          f"parameter {pname!r} has {tuple(p.shape)}")
+                p.copy_(value.to(p.device, p.dtype))
+            if params:
+                raise ConversionError(f"megatron parameters not set by the converter: {sorted(params)}")
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
+    @torch.no_grad()
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        tp_group = ps.get_tensor_model_parallel_group()
+        tp = ps.get_tensor_model_parallel_world_size()
+        full: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            layers, _, _ = self._chunk_layout(chunk)
+            gpt = _unwrap(chunk)
+            inverse = {self._param_name(gpt, n): n for n in _canonical_names(gpt)}
+            local = {inverse.get(n, n): p.detach().to("cpu", torch.float32).clone()
+                     for n, p in gpt.named_parameters()}
+            shards: list[dict] = [None] * tp  # type: ignore[list-item]
+            dist.all_gather_object(shards, local, group=tp_group)
+            full.update(from_megatron_shards(shards, self.config.model, layers=layers))
+        parts: list[dict] = [None] * ps.get_pipeline_model_parallel_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(parts, full, group=ps.get_pipeline_model_parallel_group())
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update(part)
+        missing = sorted(set(expected_project_names(self.config.model)) - set(out))
+        if missing:
+            raise ConversionError(f"gathered megatron weights lack {missing}")
+        return out
+
+    # ------------------------------------------------------------------ forward / backward
+    def _micro_batches(self, share: Share, fields: tuple[str, ...]) -> list[MicroBatch]:
+        if not isinstance(share, Share):
+            raise TypeError(f"expected a backends.base.Share, got {type(share).__name__}")
+        par = self.config.megatron
+        n_mb = len(share.micro_batches)
+        if par.vpp > 1 and n_mb % par.pp:
+            raise ShareError(f"with megatron.vpp = {par.vpp} the micro-batch count must be a multiple of "
+                             f"megatron.pp = {par.pp}; the share has {n_mb} micro-batches")
+        budget = self.config.max_token_len_per_gpu
+        seq, _ = share_lengths(share.data)
+        out = []
+        for k, mb in enumerate(share.micro_batches):
+            if budget is not None:
+                tokens = int(seq[mb].sum())
+                if tokens > budget:
+                    raise ShareError(f"micro-batch {k} holds {tokens} tokens, over max_token_len_per_gpu = {budget}")
+            out.append(make_micro_batch(share.data, mb, response_fields=fields, packed=self.packed,
+                                        pad_multiple=2 * par.cp if par.cp > 1 else 1, device=self.device))
+        return out
+
+    def _token_outputs(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool):
+        from megatron.core import parallel_state as ps
+
+        v_local = logits.shape[-1]
+        flat = logits.reshape(-1, v_local).index_select(0, mb.logit_index)
+        tp = ps.get_tensor_model_parallel_world_size()
+        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        return vocab_parallel_logprobs_entropy(
+            flat, mb.target_ids, vocab_start=ps.get_tensor_model_parallel_rank() * v_local, group=group,
+            temperature=temperature, with_entropy=with_entropy)
+
+    def _run_schedule(self, mbs: list[MicroBatch], loss_func, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+            return out, partial(loss_func, mb)
+
+        fwd_bwd = get_forward_backward_func()
+        iters = [iter(mbs) for _ in self.chunks]
+        return fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.seq_len for mb in mbs),
+            micro_batch_size=max(mb.batch for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def infer_batch(self, share: Share, *, temperature: float = 1.0, with_entropy: bool = False) -> TensorDict | None:
+        mbs = self._micro_batches(share, ())
+        for c in self.chunks:
+            c.eval()
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            logp, ent = self._token_outputs(logits, mb, temperature, with_entropy)
+            out = {"log_probs": logp.float().cpu()}
+            if with_entropy:
+                out["entropy"] = ent.float().cpu()
+            return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), out
+
+        store = self._run_schedule(mbs, loss_func, forward_only=True)
+        for c in self.chunks:
+            c.train()
+        if not self.is_reporting_rank:
+            return None
+        n = share.data.batch_size[0]
+        per_sample: dict[str, list] = {"log_probs": [None] * n}
+        if with_entropy:
+            per_sample["entropy"] = [None] * n
+        for mb, out in zip(mbs, store):
+            for key in per_sample:
+                for pos, vals in zip(mb.positions, torch.split(out[key], mb.response_lens)):
+                    per_sample[key][pos] = vals
+        return TensorDict({k: to_nested(v) for k, v in per_sample.items()}, batch_size=[n])
+
+    def _global_counts(self, mbs: list[MicroBatch]) -> tuple[float, float]:
+        tokens = seqs = 0.0
+        for mb in mbs:
+            mask = mb.fields["response_mask"].bool()
+            real = ~mb.is_padding if mb.is_padding is not None else torch.ones(mb.batch, dtype=torch.bool,
+                                                                                 device=mask.device)
+            tokens += float((mask & real[:, None]).sum())
+            seqs += float(real.sum())
+        t = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t[0]), float(t[1])
+
+    def _loss(self, mb: MicroBatch, logits: torch.Tensor, counts: tuple[float, float]):
+        lcfg = self.config.loss
+        logp, ent = self._token_outputs(logits, mb, 1.0, True)  # entropy is always reported as a metric
+        rmax = mb.fields["response_mask"].shape[1]
+
+        def pad(flat: torch.Tensor) -> torch.Tensor:
+            rows = torch.split(flat, mb.response_lens)
+            return torch.stack([torch.nn.functional.pad(r, (0, rmax - r.numel())) for r in rows])
+
+        mask = mb.fields["response_mask"]
+        if mb.is_padding is not None:
+            mask = mask * (~mb.is_padding).to(mask.dtype)[:, None]
+        tokens, seqs = counts
+        logp_pad = pad(logp)
+        kw = dict(global_tokens=tokens, global_seqs=seqs)
+        horizon = {"horizon": float(rmax)} if lcfg.loss_agg_mode == "seq-mean-token-sum-norm" else {}
+        pg, m = policy_loss(mb.fields["old_log_probs"], logp_pad, mb.fields["advantages"], mask,
+                            clip_ratio_low=lcfg.clip_ratio_low, clip_ratio_high=lcfg.clip_ratio_high,
+                            clip_ratio_c=lcfg.clip_ratio_c, loss_agg_mode=lcfg.loss_agg_mode, **kw, **horizon)
+        loss = pg
+        ent_pad = pad(ent)
+        ent_mean = entropy_bonus(ent_pad, mask, "token-mean", tokens, seqs)
+        if lcfg.entropy_coeff != 0.0:
+            loss = loss - lcfg.entropy_coeff * entropy_bonus(ent_pad, mask, lcfg.loss_agg_mode, tokens, seqs,
+                                                             **horizon)
+        kl = torch.zeros((), device=loss.device)
+        if lcfg.use_kl_loss:
+            if "ref_log_prob" not in mb.fields:
+                raise ShareError("actor.loss.use_kl_loss is on but the share has no 'ref_log_prob' field")
+            kl = kl_loss(logp_pad, mb.fields["ref_log_prob"], mask, lcfg.kl_loss_type, lcfg.loss_agg_mode,
+                         tokens, seqs, **horizon)
+            loss = loss + lcfg.kl_loss_coef * kl
+        metrics = torch.stack([loss.detach(), pg.detach(), m["clipfrac"], m["approx_kl"], ent_mean.detach(),
+                               kl.detach()]).float().cpu()
+        return loss, torch.tensor(1, dtype=torch.int), {"metrics": metrics}
+
+    def train_batch(self, share: Share) -> dict[str, float]:
+        t0 = time.perf_counter()
+        fields = _TRAIN_FIELDS + (("ref_log_prob",) if self.config.loss.use_kl_loss else ())
+        mbs = self._micro_batches(share, fields)
+        counts = self._global_counts(mbs)
+        for c in self.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = self._run_schedule(mbs, partial(_call_loss, self, counts), forward_only=False)
+        lr = self.config.optim.lr * lr_factor(self.step, self.config.optim)
+        for opt in self._sub_optimizers:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        grad_norm, skipped = self._optimizer_step()
+        self.step += 1
+
+        local = torch.zeros(6, dtype=torch.float64)
+        if self.is_reporting_rank:
+            for out in store:
+                local += out["metrics"].double()
+        local = local.to(self.device)
+        dist.all_reduce(local)  # reporting ranks hold one replica each: the sum is the step's value
+        names = ("loss", "pg_loss", "clipfrac", "approx_kl", "entropy", "kl_loss")
+        metrics = {k: float(v) for k, v in zip(names, local.tolist())}
+        metrics.update(grad_norm=float(grad_norm), lr=lr, tokens=counts[0], seqs=counts[1],
+                       skipped=float(skipped), time=time.perf_counter() - t0)
+        t = torch.tensor([metrics["time"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        metrics["time"] = float(t)
+        return metrics
+
+    @torch.no_grad()
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Prepare grads, norm, skip on a non-finite norm, else clip and step; return (pre-clip norm, skipped)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if found_inf or not math.isfinite(grad_norm):
+            self.optimizer.zero_grad()
+            return grad_norm, True
+        clip = self.config.optim.clip_grad
+        for opt in self._sub_optimizers:
+            params = opt.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=grad_norm)
+        self.optimizer.step_with_ready_grads()
+        return grad_norm, False
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
+        ckpt.save(self, path, extra_state or {})
+
+    def load_checkpoint(self, path: str) -> dict:
+        return ckpt.load(self, path)
+
+
+def _call_loss(engine: MegatronEngine, counts, mb: MicroBatch, logits: torch.Tensor):
+    return engine._loss(mb, logits, counts)
+
+
+def _canonical_names(gpt) -> list[str]:
+    names = []
+    for n, _ in gpt.named_parameters():
+        for local, te in _TE_RENAMES.items():
+            if n.endswith(te):
+                n = n[: -len(te)] + local
+        names.append(n)
+    return names

@@ -1,0 +1,168 @@
+"""A small Llama-style decoder in plain torch over packed 1-D batches, with Hugging Face Llama parameter names."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from backends.model.attention import check_cu_seqlens, packed_attention
+from backends.model.config import ModelConfig
+
+__all__ = ["LlamaModel", "DecoderLayer", "RMSNorm", "init_weights", "rotary_cos_sin", "apply_rotary",
+           "AttentionFn"]
+
+# (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], cu_seqlens [n+1]) -> [T, Hq, D]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back, times ``weight``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin [T, head_dim] of the rotate-half rotary embedding, computed in fp32 then cast to ``dtype``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by position: x*cos + rotate_half(x)*sin (non-interleaved halves)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions over a packed batch."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cu_seqlens, attention: AttentionFn) -> torch.Tensor:
+        T = x.shape[0]
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(T, -1, d)
+        k = self.k_proj(x).view(T, -1, d)
+        v = self.v_proj(x).view(T, -1, d)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, cu_seqlens)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cu_seqlens, attention: AttentionFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only LM over a packed 1-D batch: ``forward(input_ids[T], position_ids[T], cu_seqlens[n+1]) -> [T, V]``.
+
+    Example::
+
+        model = LlamaModel.from_seed(ModelConfig(), seed=0)
+        ids = torch.tensor([5, 6, 7, 8, 9]); pos = torch.tensor([0, 1, 2, 0, 1])
+        logits = model(ids, pos, torch.tensor([0, 3, 5], dtype=torch.int32))  # two sequences, [5, vocab]
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.activation_checkpointing = False
+
+    @classmethod
+    def from_seed(cls, cfg: ModelConfig, seed: int, device: torch.device | str | None = None) -> "LlamaModel":
+        """A model with deterministic weights: normal(0, init_std) matrices, unit norms, same for any device."""
+        model = cls(cfg)
+        init_weights(model, seed)
+        return model.to(device) if device is not None else model
+
+    def output_weight(self) -> torch.Tensor:
+        """The [V, hidden] output projection (the embedding when tied)."""
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                      attention: AttentionFn | None = None) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of the packed batch."""
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(f"input_ids and position_ids must both be 1-D [T] (packed); got "
+                             f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}")
+        attention = attention or packed_attention
+        x = self.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, cu_seqlens, attention, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cu_seqlens, attention)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                attention: AttentionFn | None = None) -> torch.Tensor:
+        """Logits [T, V]; ``attention`` replaces the packed attention (sequence parallel wraps it)."""
+        if attention is None and input_ids.dim() == 1:
+            check_cu_seqlens(cu_seqlens, input_ids.shape[0])
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, attention)
+        if self.cfg.tie_word_embeddings:
+            return F.linear(h, self.embed_tokens.weight)
+        return self.lm_head(h)
+
+
+@torch.no_grad()
+def init_weights(model: LlamaModel, seed: int) -> None:
+    """Deterministic init independent of device and global RNG: matrices ~ normal(0, init_std), norms = 1."""
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    std = model.cfg.init_std
+    for name, p in model.named_parameters():  # named_parameters order is fixed by construction
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))

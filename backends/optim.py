@@ -1,0 +1,63 @@
+"""Optimizer, learning-rate schedule and gradient clipping shared by both engines."""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from backends.config import OptimConfig
+
+__all__ = ["build_optimizer", "lr_factor", "build_lr_scheduler", "clip_grad_norm"]
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (lr, betas, eps, weight_decay) or plain SGD (lr, weight_decay; no momentum) from ``cfg``."""
+    params = [p for p in params if p.requires_grad]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay, foreach=False)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+    raise ValueError(f"actor.optim.name must be 'adamw' or 'sgd', got {cfg.name!r}")
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """Multiplier of ``cfg.lr`` for the optimizer step with 0-based index ``step``.
+
+    Linear warm-up ``(step + 1) / warmup_steps`` for ``step < warmup_steps``; then 1 (constant) or a cosine from 1
+    down to ``min_lr_ratio`` reached at ``total_steps`` and held after.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    w = cfg.warmup_steps
+    if step < w:
+        return (step + 1) / w
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    span = max(1, cfg.total_steps - w)
+    progress = min(1.0, (step - w) / span)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> LambdaLR:
+    """A LambdaLR following :func:`lr_factor`; call ``step()`` once after every optimizer step."""
+    return LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, bool]:
+    """Clip gradients to a global L2 norm of ``max_norm`` (sharded DTensor gradients included).
+
+    Returns (pre-clip norm, finite). A non-finite norm leaves the gradients untouched so the caller can skip.
+    """
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0, True
+    grads = [p.grad for p in params]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+    value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not math.isfinite(value):
+        return value, False
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return value, True

@@ -1,0 +1,149 @@
+"""Micro-batches of one DP rank's mini-batch: by a fixed sample count or by a hard token budget.
+
+Every DP rank of a mini-batch gets the same number of micro-batches (the engines step through them in
+lock-step: pipeline schedules and gradient all-reduce need equal counts). The count is computed from the
+tags of all ranks, deterministically, so every rank arrives at the same plan without a collective.
+
+* Token budget: no micro-batch holds more than ``token_cap`` tokens (sum of seq_len); a single sample
+  longer than the cap is an error naming its key. The count is the smallest for which every rank packs
+  under the cap, rounded up to ``multiple_of`` (the virtual-pipeline group).
+* Fixed size: ``ceil(m / micro_batch_size)`` micro-batches (rounded up likewise), sizes differing by at
+  most one and never above ``micro_batch_size``.
+
+Within those limits samples are packed heaviest first into the currently lightest micro-batch, which
+evens out the micro-batches' workloads. ``small_ends`` then orders them lightest at both ends.
+
+Example::
+
+    >>> split_micro_batches([[0, 1, 2, 3]], workloads=[4, 3, 2, 1], tokens=[4, 3, 2, 1], token_cap=5)
+    [[[0, 3], [1, 2]]]
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["MicroBatchError", "pack_micro_batches", "min_micro_batches", "split_micro_batches", "small_ends_order"]
+
+
+class MicroBatchError(ValueError):
+    """A sample over the token budget, or a micro-batch count a rank cannot fill."""
+
+
+def pack_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence[int] | np.ndarray, count: int, *,
+                       token_cap: int | None = None, size_caps: Sequence[int] | None = None) -> list[list[int]] | None:
+    """Pack positions ``0..m-1`` into exactly ``count`` non-empty bins, heaviest first into the lightest bin
+    that still fits (``token_cap`` tokens, ``size_caps[b]`` samples); ``None`` when some sample does not fit.
+    """
+    w = np.asarray(workloads, dtype=np.float64)
+    t = np.asarray(tokens, dtype=np.int64)
+    m = w.size
+    if count < 1 or count > m:
+        return None
+    loads = np.zeros(count)
+    used = np.zeros(count, dtype=np.int64)
+    sizes = np.zeros(count, dtype=np.int64)
+    caps = np.full(count, m, dtype=np.int64) if size_caps is None else np.asarray(size_caps, dtype=np.int64)
+    bins: list[list[int]] = [[] for _ in range(count)]
+    # Heaviest first; ties by tokens then position, so the result is deterministic.
+    order = np.lexsort((np.arange(m), -t, -w))
+    for i in order.tolist():
+        ok = sizes < caps
+        if token_cap is not None:
+            ok &= used + t[i] <= token_cap
+        if not ok.any():
+            return None
+        # Lightest feasible bin; empty bins first so that no bin stays empty.
+        score = np.where(ok, loads, np.inf)
+        score = np.where(ok & (sizes == 0), -1.0, score)
+        b = int(np.argmin(score))
+        bins[b].append(i)
+        loads[b] += w[i]
+        used[b] += t[i]
+        sizes[b] += 1
+    if any(not b for b in bins):
+        return None
+    return [sorted(b) for b in bins]
+
+
+def min_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                      token_cap: int) -> int:
+    """The fewest micro-batches :func:`pack_micro_batches` needs to keep every one under ``token_cap``."""
+    t = np.asarray(tokens, dtype=np.int64)
+    if t.size == 0:
+        return 0
+    if int(t.max()) > token_cap:
+        raise MicroBatchError(f"a sample of {int(t.max())} tokens exceeds the micro-batch token cap {token_cap}")
+    count = max(1, math.ceil(int(t.sum()) / token_cap))
+    while pack_micro_batches(workloads, t, count, token_cap=token_cap) is None:
+        count += 1  # terminates: with count == m every sample sits alone
+    return count
+
+
+def small_ends_order(loads: Sequence[float]) -> list[int]:
+    """Order of bins with the lightest at both ends and the heaviest in the middle (pipeline-friendly)."""
+    asc = sorted(range(len(loads)), key=lambda b: (loads[b], b))
+    front, back = asc[0::2], asc[1::2]
+    return front + back[::-1]
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def split_micro_batches(ranks: Sequence[Sequence[int]], workloads: Sequence[float] | np.ndarray,
+                        tokens: Sequence[int] | np.ndarray, *, micro_batch_size: int | None = None,
+                        token_cap: int | None = None, multiple_of: int = 1, small_ends: bool = False,
+                        keys: Sequence[str] | None = None) -> list[list[list[int]]]:
+    """Cut each rank's samples (global indices into ``workloads``/``tokens``) into the same number of micro-batches.
+
+    Returns, per rank, its micro-batches as lists of global indices (ascending within a micro-batch).
+    """
+    if micro_batch_size is not None and token_cap is not None:
+        raise MicroBatchError("give micro_batch_size or token_cap, not both")
+    w = np.asarray(workloads, dtype=np.float64)
+    t = np.asarray(tokens, dtype=np.int64)
+    members = [np.asarray(list(r), dtype=np.int64) for r in ranks]
+    sizes = {len(r) for r in members}
+    if len(sizes) > 1:
+        raise MicroBatchError(f"every DP rank must hold the same number of samples, got sizes {sorted(sizes)}")
+    m = sizes.pop() if sizes else 0
+    if m == 0:
+        return [[] for _ in members]
+    if token_cap is not None:
+        over = np.flatnonzero(t > token_cap)
+        if over.size:
+            i = int(over[0])
+            name = f"{keys[i]!r}" if keys is not None else f"#{i}"
+            raise MicroBatchError(f"sample {name} has seq_len {int(t[i])} > the micro-batch token cap {token_cap} "
+                                  f"(max_token_len_per_gpu x seq_shards); raise max_token_len_per_gpu or drop it")
+        count = max(min_micro_batches(w[r], t[r], token_cap) for r in members)
+    elif micro_batch_size is not None:
+        count = -(-m // micro_batch_size)
+    else:
+        count = 1
+    count = _round_up(count, multiple_of)
+    while True:
+        if count > m:
+            raise MicroBatchError(
+                f"{count} micro-batches (a multiple of {multiple_of}) are needed but each rank holds only {m} "
+                f"samples; raise the mini-batch size or the token budget, or lower pp/vpp")
+        caps = None
+        if token_cap is None:
+            q, rem = divmod(m, count)
+            caps = [q + 1] * rem + [q] * (count - rem)
+        packed = [pack_micro_batches(w[r], t[r], count, token_cap=token_cap, size_caps=caps) for r in members]
+        if all(p is not None for p in packed):
+            break
+        count += multiple_of  # greedy packing is not monotone in the count; try the next admissible one
+    out = []
+    for r, bins in zip(members, packed):
+        glob = [[int(r[i]) for i in b] for b in bins]
+        glob.sort(key=lambda b: b[0])
+        if small_ends:
+            loads = [float(w[b].sum()) for b in glob]
+            glob = [glob[j] for j in small_ends_order(loads)]
+        out.append([sorted(b) for b in glob])
+    return out

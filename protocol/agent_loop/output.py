@@ -1,0 +1,127 @@
+"""AgentLoopOutput: what one rollout session returns for one trajectory, validated at construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["AgentLoopOutput", "AgentLoopOutputError"]
+
+
+class AgentLoopOutputError(ValueError):
+    """An AgentLoopOutput whose fields are missing, of the wrong type, or of unequal lengths."""
+
+
+def _as_ids(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be 1-D, got shape {tuple(value.shape)}")
+        if value.dtype.is_floating_point or value.dtype.is_complex:
+            raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold integers, got dtype {value.dtype}")
+        return value.detach().to("cpu", torch.int64)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be a list of ints or a 1-D tensor, "
+                                   f"got {type(value).__name__}")
+    bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int)]
+    if bad:
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold ints, found {bad[:3]!r}")
+    return torch.tensor(list(value), dtype=torch.int64)
+
+
+def _as_floats(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be 1-D, got shape {tuple(value.shape)}")
+        return value.detach().to("cpu", torch.float32)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be a list of floats or a 1-D tensor, "
+                                   f"got {type(value).__name__}")
+    try:
+        return torch.tensor([float(v) for v in value], dtype=torch.float32)
+    except (TypeError, ValueError):
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold numbers") from None
+
+
+@dataclass
+class AgentLoopOutput:
+    """One trajectory of a session: the prompt, the response and which response tokens the policy produced.
+
+    * ``prompt_ids`` – the tokenized prompt (``prompt_len >= 1``: the first response token's log-prob comes from
+      the logits at the last prompt position);
+    * ``response_ids`` – everything after the prompt: policy generations and tool observations;
+    * ``response_mask`` – 1 where the policy generated the token, 0 for observations (same length);
+    * ``response_logprobs`` – optional sampling log-probs, same length (0 on observation tokens);
+    * ``reward_score`` – optional trajectory score from the environment;
+    * ``num_turns`` – chat turns in the trajectory (user + assistant + tool; 2 for a single turn);
+    * ``extra_fields`` – anything else (truncation report, tool errors, ``min_global_steps`` /
+      ``max_global_steps`` for partial rollouts);
+    * ``multi_modal_inputs`` – optional processor tensors of the prompt (name -> tensor, first dim varies).
+
+    Lists are converted to CPU tensors (int64 ids and mask, float32 log-probs) at construction.
+    """
+
+    prompt_ids: Any
+    response_ids: Any
+    response_mask: Any
+    response_logprobs: Any = None
+    reward_score: float | None = None
+    num_turns: int = 2
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+    multi_modal_inputs: dict[str, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _as_ids("prompt_ids", self.prompt_ids)
+        self.response_ids = _as_ids("response_ids", self.response_ids)
+        self.response_mask = _as_ids("response_mask", self.response_mask)
+        if self.prompt_ids.numel() < 1:
+            raise AgentLoopOutputError("AgentLoopOutput.prompt_ids is empty; a trajectory needs prompt_len >= 1")
+        n = self.response_ids.numel()
+        if self.response_mask.numel() != n:
+            raise AgentLoopOutputError(f"AgentLoopOutput.response_mask has {self.response_mask.numel()} entries, "
+                                       f"response_ids has {n}; they must be equal")
+        if n and not bool(((self.response_mask == 0) | (self.response_mask == 1)).all()):
+            raise AgentLoopOutputError("AgentLoopOutput.response_mask must hold only 0 and 1, got values "
+                                       f"{sorted(set(self.response_mask.tolist()))}")
+        if self.response_logprobs is not None:
+            self.response_logprobs = _as_floats("response_logprobs", self.response_logprobs)
+            if self.response_logprobs.numel() != n:
+                raise AgentLoopOutputError(f"AgentLoopOutput.response_logprobs has {self.response_logprobs.numel()} "
+                                           f"entries, response_ids has {n}; they must be equal")
+        if self.reward_score is not None:
+            if isinstance(self.reward_score, torch.Tensor) and self.reward_score.numel() == 1:
+                self.reward_score = self.reward_score.item()
+            if isinstance(self.reward_score, bool) or not isinstance(self.reward_score, (int, float)):
+                raise AgentLoopOutputError(f"AgentLoopOutput.reward_score must be a number or None, "
+                                           f"got {type(self.reward_score).__name__}")
+            if not math.isfinite(float(self.reward_score)):
+                raise AgentLoopOutputError(f"AgentLoopOutput.reward_score must be finite, got {self.reward_score}")
+            self.reward_score = float(self.reward_score)
+        if isinstance(self.num_turns, bool) or not isinstance(self.num_turns, int) or self.num_turns < 0:
+            raise AgentLoopOutputError(f"AgentLoopOutput.num_turns must be a non-negative int, got {self.num_turns!r}")
+        if not isinstance(self.extra_fields, dict):
+            raise AgentLoopOutputError(f"AgentLoopOutput.extra_fields must be a dict, "
+                                       f"got {type(self.extra_fields).__name__}")
+        if self.multi_modal_inputs is not None:
+            if not isinstance(self.multi_modal_inputs, dict) or not all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() >= 1
+                    for k, v in self.multi_modal_inputs.items()):
+                raise AgentLoopOutputError("AgentLoopOutput.multi_modal_inputs must map str to tensors with >= 1 dim")
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt_ids.numel())
+
+    @property
+    def response_len(self) -> int:
+        return int(self.response_ids.numel())
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def policy_len(self) -> int:
+        """Number of policy-generated tokens (``response_mask.sum()``)."""
+        return int(self.response_mask.sum())

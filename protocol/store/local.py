@@ -1,0 +1,218 @@
+"""LocalStore: the embedded, in-process KV store (the default); thread- and asyncio-safe.
+
+Each key owns its tag dict and its own CPU tensors (copied on put, copied again on get), so a caller
+editing a tensor never edits the store and ``kv_clear`` frees exactly what the key held.
+
+Example::
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> store = LocalStore()
+    >>> resp = torch.nested.as_nested_tensor([torch.arange(3), torch.arange(5)], layout=torch.jagged)
+    >>> meta = store.kv_batch_put(["u_0_0", "u_1_0"], "train", TensorDict({"responses": resp}, [2]),
+    ...                           tags=[{"response_len": 3}, {"response_len": 5}])
+    >>> store.kv_batch_get(meta.keys, "train", ["responses"])["responses"].is_nested
+    True
+    >>> store.kv_clear(meta.keys, "train"), store.stats()["keys"]
+    (2, 0)
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from tensordict import TensorDict
+
+from ..meta import KVBatchMeta
+from .base import (
+    DEFAULT_MAX_CLEARED_MARKS,
+    ClearedMarks,
+    KVStore,
+    check_keys,
+    check_partition,
+    check_select_fields,
+    check_tags,
+    missing_error,
+)
+from .batching import assemble_batch, nbytes, per_key_fields, same_value
+from .errors import FieldOverwriteError, LateWriteError, StoreClosedError, preview
+
+__all__ = ["LocalStore"]
+
+
+@dataclass
+class _Entry:
+    """What one key holds."""
+
+    tag: dict = field(default_factory=dict)
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class LocalStore(KVStore):
+    """In-process store; ``max_cleared_marks`` bounds the memory of cleared keys/groups (oldest forgotten)."""
+
+    def __init__(self, max_cleared_marks: int = DEFAULT_MAX_CLEARED_MARKS) -> None:
+        self._lock = threading.RLock()
+        self._parts: dict[str, dict[str, _Entry]] = {}
+        self._marks = ClearedMarks(max_cleared_marks)
+        self._bytes = 0
+        self._late_refused = 0
+        self._overwrites_refused = 0
+        self._closed = False
+
+    # ---- writes -------------------------------------------------------------------------------------
+    def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: TensorDict | Mapping | None = None,
+                     tags: Sequence[dict] | None = None, overwrite: bool = False) -> KVBatchMeta:
+        op = "kv_batch_put"
+        self._check_open(op)
+        partition_id = check_partition(partition_id)
+        keys = check_keys(keys, op)
+        tags = check_tags(tags, keys, op)
+        if fields is None and tags is None:
+            raise ValueError(f"{op}: give fields, tags, or both (partition {partition_id!r}, {len(keys)} keys)")
+        columns = per_key_fields(fields, len(keys))  # copies made outside the lock
+        with self._lock:
+            self._check_open(op)
+            part = self._parts.get(partition_id, {})
+            new_keys = [k for k in keys if k not in part]
+            late = self._marks.late(partition_id, new_keys)
+            if late:
+                self._late_refused += len(late)
+                raise LateWriteError(
+                    f"{op}: refused to re-create {len(late)} cleared key(s) in partition {partition_id!r} "
+                    f"(the key or its group was cleared by kv_clear): {preview(late)}; nothing was written")
+            conflicts, writes = self._plan_field_writes(part, keys, columns, overwrite)
+            if conflicts:
+                self._overwrites_refused += len(conflicts)
+                raise FieldOverwriteError(
+                    f"{op}: {len(conflicts)} (key, field) pair(s) in partition {partition_id!r} already hold a "
+                    f"different value: {preview(conflicts)}; pass overwrite=True to replace them; nothing was written")
+            part = self._parts.setdefault(partition_id, part)
+            out_tags = []
+            for i, key in enumerate(keys):
+                entry = part.get(key)
+                if entry is None:
+                    entry = part[key] = _Entry()
+                if tags is not None:
+                    entry.tag.update(tags[i])
+                out_tags.append(entry.tag)
+            for key, name, value in writes:
+                entry = part[key]
+                old = entry.fields.get(name)
+                delta = nbytes(value) - (nbytes(old) if old is not None else 0)
+                entry.fields[name] = value
+                entry.nbytes += delta
+                self._bytes += delta
+            return KVBatchMeta(partition_id, keys, out_tags)
+
+    def _plan_field_writes(self, part: dict[str, _Entry], keys: list[str],
+                           columns: Mapping[str, list[torch.Tensor]], overwrite: bool):
+        """The (key, field, value) writes a put makes, and the (key, field) pairs it may not overwrite."""
+        conflicts: list[tuple[str, str]] = []
+        writes: list[tuple[str, str, torch.Tensor]] = []
+        for name, values in columns.items():
+            for key, value in zip(keys, values):
+                entry = part.get(key)
+                old = entry.fields.get(name) if entry is not None else None
+                if old is None:
+                    writes.append((key, name, value))
+                elif same_value(old, value):
+                    continue
+                elif overwrite:
+                    writes.append((key, name, value))
+                else:
+                    conflicts.append((key, name))
+        return conflicts, writes
+
+    # ---- reads --------------------------------------------------------------------------------------
+    def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str] | None = None,
+                     *, jagged: Iterable[str] = ()) -> TensorDict:
+        op = "kv_batch_get"
+        self._check_open(op)
+        partition_id = check_partition(partition_id)
+        keys = check_keys(keys, op)
+        select = check_select_fields(select_fields, op)
+        with self._lock:
+            part = self._parts.get(partition_id, {})
+            missing = [k for k in keys if k not in part]
+            if missing:
+                raise missing_error(op, partition_id, missing)
+            entries = [part[k] for k in keys]
+            if select is None:
+                select = list(entries[0].fields) if entries else []
+                union = set().union(*(e.fields for e in entries)) if entries else set()
+                extra = sorted(union - set(select))
+                select += extra
+            absent = [(k, f) for f in select for k, e in zip(keys, entries) if f not in e.fields]
+            if absent:
+                raise missing_error(op, partition_id, absent, "(key, field) pair(s)")
+            columns = {f: [e.fields[f] for e in entries] for f in select}
+        # stored tensors are never mutated in place, so batching them outside the lock is safe
+        return assemble_batch(len(keys), columns, jagged)
+
+    def kv_batch_get_tags(self, keys: Sequence[str], partition_id: str) -> list[dict]:
+        op = "kv_batch_get_tags"
+        self._check_open(op)
+        partition_id = check_partition(partition_id)
+        keys = check_keys(keys, op)
+        with self._lock:
+            part = self._parts.get(partition_id, {})
+            missing = [k for k in keys if k not in part]
+            if missing:
+                raise missing_error(op, partition_id, missing)
+            return [dict(part[k].tag) for k in keys]
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+        self._check_open("kv_list")
+        with self._lock:
+            if partition_id is not None:
+                partition_id = check_partition(partition_id)
+                part = self._parts.get(partition_id, {})
+                return {partition_id: {k: dict(e.tag) for k, e in part.items()}}
+            return {pid: {k: dict(e.tag) for k, e in part.items()} for pid, part in self._parts.items() if part}
+
+    # ---- clean-up -----------------------------------------------------------------------------------
+    def kv_clear(self, keys: Sequence[str], partition_id: str, *, mark_cleared: bool = True) -> int:
+        op = "kv_clear"
+        self._check_open(op)
+        partition_id = check_partition(partition_id)
+        keys = check_keys(keys, op)
+        with self._lock:
+            part = self._parts.get(partition_id, {})
+            dropped = 0
+            for k in keys:
+                entry = part.pop(k, None)
+                if entry is not None:
+                    dropped += 1
+                    self._bytes -= entry.nbytes
+            if not part:
+                self._parts.pop(partition_id, None)
+            if mark_cleared:
+                self._marks.add(partition_id, keys)
+            return dropped
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "partitions": sum(1 for p in self._parts.values() if p),
+                "keys": sum(len(p) for p in self._parts.values()),
+                "fields": sum(len(e.fields) for p in self._parts.values() for e in p.values()),
+                "bytes": self._bytes,
+                "cleared_marks": len(self._marks),
+                "late_writes_refused": self._late_refused,
+                "overwrites_refused": self._overwrites_refused,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._parts.clear()
+            self._marks.clear()
+            self._bytes = 0
+            self._closed = True
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{op}: this LocalStore was closed; create a new one")

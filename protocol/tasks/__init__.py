@@ -1,0 +1,22 @@
+"""Learnable tasks: seeded prompt generators with rule-based, verifiable scorers, selected by ``data_source``."""
+from protocol.tasks.base import Task, TaskError, TaskExample, get_task, known_tasks, register_task
+from protocol.tasks.data import make_rows, write_task_data
+from protocol.tasks.strings import (
+    CopyTask,
+    RepeatTask,
+    ReverseTask,
+    StringTask,
+    char_match_score,
+    normalize_response,
+)
+
+__all__ = [
+    "Task", "TaskError", "TaskExample", "get_task", "known_tasks", "register_task",
+    "StringTask", "CopyTask", "ReverseTask", "RepeatTask", "char_match_score", "normalize_response",
+    "make_rows", "write_task_data", "score",
+]
+
+
+def score(data_source: str, response_text: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """Score a decoded response with the task registered as ``data_source``."""
+    return get_task(data_source).score(response_text, ground_truth, extra_info)

@@ -1,0 +1,96 @@
+"""The task interface: a seeded prompt generator plus a rule-based scorer, registered by ``data_source``."""
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["TaskExample", "Task", "TaskError", "register_task", "get_task", "known_tasks"]
+
+
+class TaskError(ValueError):
+    """A task name, task parameter or dataset row that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class TaskExample:
+    """One generated problem: the user message, the verifiable answer and the parameters the scorer needs."""
+
+    prompt: str
+    ground_truth: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """A learnable task: ``sample`` draws a problem from an RNG, ``score`` checks a response against its answer.
+
+    ``name`` is the dataset's ``data_source``; the reward registry dispatches on it.
+    """
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def sample(self, rng: random.Random) -> TaskExample:
+        """One problem drawn from ``rng`` (the only source of randomness, so a seed reproduces the data)."""
+
+    @abc.abstractmethod
+    def score(self, response_text: str, ground_truth: str, extra_info: dict | None = None) -> float:
+        """The reward in [0, 1] of a decoded response; 1.0 exactly when the response is the answer."""
+
+    def messages(self, example: TaskExample) -> list[dict[str, str]]:
+        """The chat messages (``raw_prompt``) of a problem: a single user turn."""
+        return [{"role": "user", "content": example.prompt}]
+
+    def make_row(self, index: int, rng: random.Random, split: str = "train") -> dict[str, Any]:
+        """One dataset row: raw_prompt, data_source, extra_info{index, ground_truth, split, ...}, reward_model."""
+        ex = self.sample(rng)
+        return {
+            "raw_prompt": self.messages(ex),
+            "data_source": self.name,
+            "extra_info": {"index": int(index), "split": split, "ground_truth": ex.ground_truth, **ex.params},
+            "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
+        }
+
+    def warmup_pairs(self, n: int, seed: int) -> list[tuple[list[dict[str, str]], str]]:
+        """``n`` (messages, target response) pairs for an optional supervised warm-up, from the same generator."""
+        if n < 0:
+            raise TaskError(f"warmup_pairs: n must be >= 0, got {n}")
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            ex = self.sample(rng)
+            out.append((self.messages(ex), ex.ground_truth))
+        return out
+
+
+_TASKS: dict[str, Callable[[], Task]] = {}
+
+
+def register_task(name: str):
+    """Class/factory decorator: make a task available as ``data_source = name``."""
+
+    def deco(factory):
+        if name in _TASKS:
+            raise TaskError(f"task {name!r} is already registered")
+        _TASKS[name] = factory
+        if isinstance(factory, type):
+            factory.name = name
+        return factory
+
+    return deco
+
+
+def known_tasks() -> list[str]:
+    """Names of every registered task (the valid ``data_source`` values of generated data)."""
+    return sorted(_TASKS)
+
+
+def get_task(name: str, **params: Any) -> Task:
+    """A fresh task instance by name; an unknown name lists the known ones."""
+    if name not in _TASKS:
+        raise TaskError(f"unknown task {name!r}; known tasks: {known_tasks()}")
+    try:
+        return _TASKS[name](**params)
+    except TypeError as exc:
+        raise TaskError(f"task {name!r}: bad parameters {params!r}: {exc}") from exc

@@ -1,0 +1,118 @@
+"""String-transformation tasks (copy, reverse, repeat) with a per-character partial-credit reward."""
+from __future__ import annotations
+
+import random
+import re
+import string
+from dataclasses import dataclass
+
+from protocol.tasks.base import Task, TaskError, TaskExample, register_task
+
+__all__ = ["char_match_score", "normalize_response", "EOS_TEXT", "WRONG_CHAR", "StringTask", "CopyTask", "ReverseTask", "RepeatTask"]
+
+
+EOS_TEXT = "<|eos|>"
+_SPECIAL = re.compile(r"<\|[a-z_0-9]+\|>")
+WRONG_CHAR = "\ufffd"
+
+
+def normalize_response(text: str) -> str:
+    """The answer a response gives: one final ``<|eos|>`` removed, every other special token one wrong character.
+
+    Decode responses with specials kept (``tokenizer.decode(ids, skip_special=False)``): a response padded with
+    special tokens (or whitespace) is then not the answer, so the policy cannot hide filler from the scorer and
+    must learn to stop. Nothing is stripped: a space is a character like any other.
+    """
+    if not isinstance(text, str):
+        raise TaskError(f"response_text must be a str, got {type(text).__name__}")
+    if text.endswith(EOS_TEXT):
+        text = text[: -len(EOS_TEXT)]
+    return _SPECIAL.sub(WRONG_CHAR, text)
+
+
+def char_match_score(response: str, target: str) -> float:
+    """Position-wise matches divided by the longer length: in [0, 1], 1.0 exactly when ``response == target``.
+
+    Dense enough to learn from random weights (every right character counts) yet verifiable: extra or missing
+    characters dilute the score, so only the exact answer reaches 1.
+
+    >>> char_match_score("abx", "abc")
+    0.6666666666666666
+    """
+    longest = max(len(response), len(target))
+    if longest == 0:
+        return 1.0
+    matches = sum(1 for a, b in zip(response, target) if a == b)
+    return matches / longest
+
+
+@dataclass
+class StringTask(Task):
+    """A random word over ``alphabet`` of ``min_len..max_len`` characters, transformed by ``transform``."""
+
+    alphabet: str = "abcd"
+    min_len: int = 3
+    max_len: int = 6
+    verb: str = "copy"
+
+    def __post_init__(self) -> None:
+        if not self.alphabet or len(set(self.alphabet)) != len(self.alphabet):
+            raise TaskError(f"{self.name}: alphabet must be non-empty distinct characters, got {self.alphabet!r}")
+        bad = [c for c in self.alphabet if c not in string.ascii_letters + string.digits]
+        if bad:
+            raise TaskError(f"{self.name}: alphabet may hold only ASCII letters and digits, got {bad!r}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise TaskError(f"{self.name}: need 1 <= min_len <= max_len, got min_len={self.min_len}, "
+                            f"max_len={self.max_len}")
+
+    def transform(self, word: str) -> str:
+        """The answer for ``word``."""
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random) -> TaskExample:
+        n = rng.randint(self.min_len, self.max_len)
+        word = "".join(rng.choice(self.alphabet) for _ in range(n))
+        return TaskExample(prompt=f"{self.verb}: {word}", ground_truth=self.transform(word), params={"word": word})
+
+    def score(self, response_text: str, ground_truth: str, extra_info: dict | None = None) -> float:
+        if not isinstance(ground_truth, str):
+            raise TaskError(f"{self.name}: ground_truth must be a str, got {type(ground_truth).__name__}")
+        return char_match_score(normalize_response(response_text), ground_truth)
+
+
+@register_task("copy")
+@dataclass
+class CopyTask(StringTask):
+    """``copy: abdc`` -> ``abdc``: the response repeats the word."""
+
+    verb: str = "copy"
+
+    def transform(self, word: str) -> str:
+        return word
+
+
+@register_task("reverse")
+@dataclass
+class ReverseTask(StringTask):
+    """``reverse: abdc`` -> ``cdba``: the response is the word backwards."""
+
+    verb: str = "reverse"
+
+    def transform(self, word: str) -> str:
+        return word[::-1]
+
+
+@register_task("repeat")
+@dataclass
+class RepeatTask(StringTask):
+    """``repeat: c3`` -> ``ccc``: one letter written a given number of times (the easiest task)."""
+
+    verb: str = "repeat"
+
+    def transform(self, word: str) -> str:
+        return word
+
+    def sample(self, rng: random.Random) -> TaskExample:
+        n = rng.randint(self.min_len, self.max_len)
+        ch = rng.choice(self.alphabet)
+        return TaskExample(prompt=f"{self.verb}: {ch}{n}", ground_truth=ch * n, params={"word": ch, "count": n})

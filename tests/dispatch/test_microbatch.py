@@ -1,0 +1,125 @@
+"""Micro-batches: hard token cap, equal counts across ranks, VPP rounding, fixed sizes, pipeline order."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dispatch import (
+    MicroBatchError,
+    WorkloadModel,
+    min_micro_batches,
+    pack_micro_batches,
+    small_ends_order,
+    split_micro_batches,
+)
+
+MODEL = WorkloadModel.from_hidden_size(64)
+
+
+@st.composite
+def rank_batches(draw):
+    dp = draw(st.integers(1, 4))
+    m = draw(st.integers(1, 10))
+    seq = draw(st.lists(st.integers(1, 300), min_size=dp * m, max_size=dp * m))
+    perm = draw(st.permutations(range(dp * m)))
+    ranks = [sorted(perm[d * m:(d + 1) * m]) for d in range(dp)]
+    return np.array(seq), ranks
+
+
+def _check_cover(ranks, out):
+    for r, mbs in zip(ranks, out):
+        assert sorted(i for mb in mbs for i in mb) == sorted(r)
+        assert all(len(mb) > 0 for mb in mbs)
+
+
+@settings(max_examples=120, deadline=None)
+@given(rank_batches(), st.integers(300, 1200), st.sampled_from([1, 2, 4]), st.booleans())
+def test_token_cap_is_never_exceeded_and_counts_are_equal(batch, cap, group, small_ends):
+    seq, ranks = batch
+    m = len(ranks[0])
+    w = MODEL(seq)
+    try:
+        out = split_micro_batches(ranks, w, seq, token_cap=cap, multiple_of=group, small_ends=small_ends)
+    except MicroBatchError as exc:  # only legal when VPP rounding asks for more micro-batches than samples
+        assert "micro-batches" in str(exc) and group > 1
+        return
+    counts = {len(mbs) for mbs in out}
+    assert len(counts) == 1  # same count on every rank
+    count = counts.pop()
+    assert count % group == 0 and count <= m
+    assert count >= max(math.ceil(seq[r].sum() / cap) for r in ranks)  # no fewer than the volume bound
+    for mbs in out:
+        assert all(seq[mb].sum() <= cap for mb in mbs)  # hard cap
+    _check_cover(ranks, out)
+    # as few as possible: the most any single rank needs, rounded up to the group, unless that count fails to pack
+    need = max(min_micro_batches(w[r], seq[r], cap) for r in ranks)
+    base = math.ceil(need / group) * group
+    assert count >= base
+    if count > base:
+        assert any(pack_micro_batches(w[r], seq[r], count - group, token_cap=cap) is None for r in ranks)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rank_batches(), st.integers(1, 6))
+def test_fixed_micro_batch_size(batch, mbs):
+    seq, ranks = batch
+    m = len(ranks[0])
+    out = split_micro_batches(ranks, MODEL(seq), seq, micro_batch_size=mbs)
+    assert {len(x) for x in out} == {math.ceil(m / mbs)}
+    for x in out:
+        sizes = [len(mb) for mb in x]
+        assert max(sizes) <= mbs and max(sizes) - min(sizes) <= 1
+    _check_cover(ranks, out)
+
+
+def test_over_cap_sample_is_an_error_naming_the_key():
+    seq = np.array([10, 500, 20, 30])
+    with pytest.raises(MicroBatchError, match="sample 'u1_0_0' has seq_len 500 > the micro-batch token cap 100"):
+        split_micro_batches([[0, 1], [2, 3]], MODEL(seq), seq, token_cap=100,
+                            keys=["u0_0_0", "u1_0_0", "u2_0_0", "u3_0_0"])
+    with pytest.raises(MicroBatchError, match="exceeds the micro-batch token cap"):
+        min_micro_batches([1.0], [7], 5)
+
+
+def test_vpp_rounding_and_its_limit():
+    seq = np.array([10] * 8)
+    out = split_micro_batches([list(range(4)), list(range(4, 8))], MODEL(seq), seq, token_cap=1000, multiple_of=2)
+    assert [len(x) for x in out] == [2, 2]
+    with pytest.raises(MicroBatchError, match="4 micro-batches \\(a multiple of 4\\) .* only 2 samples"):
+        split_micro_batches([[0, 1], [2, 3]], MODEL(seq[:4]), seq[:4], token_cap=15, multiple_of=4)
+    with pytest.raises(MicroBatchError, match="same number of samples"):
+        split_micro_batches([[0, 1], [2]], MODEL(seq[:3]), seq[:3])
+    with pytest.raises(MicroBatchError, match="not both"):
+        split_micro_batches([[0]], [1.0], [1], micro_batch_size=1, token_cap=5)
+
+
+def test_packing_balances_workloads():
+    seq = np.array([100, 90, 80, 70, 60, 50, 40, 30])
+    bins = pack_micro_batches(MODEL(seq), seq, 2, token_cap=400)
+    loads = [seq[b].sum() for b in bins]
+    assert sorted(loads) == [260, 260]
+    assert pack_micro_batches(MODEL(seq), seq, 1, token_cap=400) is None  # 520 tokens do not fit one
+    assert pack_micro_batches([1.0], [1], 2) is None  # more bins than samples
+    assert min_micro_batches(MODEL(seq), seq, 400) == 2
+    assert min_micro_batches([], [], 5) == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0, 100), min_size=1, max_size=12))
+def test_small_ends_order(loads):
+    order = small_ends_order(loads)
+    assert sorted(order) == list(range(len(loads)))
+    got = [loads[i] for i in order]
+    peak = int(np.argmax(got))
+    assert all(got[i] <= got[i + 1] for i in range(peak))  # rises to the heaviest ...
+    assert all(got[i] >= got[i + 1] for i in range(peak, len(got) - 1))  # ... then falls
+    assert got[0] == min(loads) or got[-1] == min(loads)
+
+
+def test_small_ends_in_split():
+    seq = np.array([5, 50, 10, 40, 20, 30])
+    out = split_micro_batches([list(range(6))], MODEL(seq), seq, micro_batch_size=1, small_ends=True)
+    assert [int(seq[mb].sum()) for mb in out[0]] == [5, 20, 40, 50, 30, 10]

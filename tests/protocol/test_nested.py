@@ -1,0 +1,312 @@
+"""Jagged <-> padded <-> packed conversions: round trips, the log-prob shift, and every refusal."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from protocol.nested import (
+    NestedShapeError,
+    PackedBatch,
+    is_jagged,
+    nested_from_values,
+    nested_lengths,
+    nested_offsets,
+    nested_values,
+    pack_nested,
+    packed_to_padded,
+    padded_to_packed,
+    response_from_nested,
+    response_to_nested,
+    response_values_from_packed,
+    response_values_to_packed,
+    to_nested,
+    unpack_to_nested,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None)
+lengths_st = st.lists(st.integers(0, 7), min_size=1, max_size=6)
+trailing_st = st.sampled_from([(), (2,), (2, 3)])
+
+
+def _samples(lengths, trailing=(), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        t = torch.randn((n, *trailing), generator=g) * 10
+        out.append(t.to(dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- to_nested
+
+
+@SETTINGS
+@given(lengths=lengths_st, trailing=trailing_st, dtype=st.sampled_from([torch.float32, torch.int64, torch.bool]))
+def test_to_nested_keeps_every_sample(lengths, trailing, dtype):
+    samples = _samples(lengths, trailing, dtype)
+    nt = to_nested(samples)
+    assert is_jagged(nt) and nt.dtype == dtype and nt.shape[0] == len(lengths)
+    assert nested_lengths(nt).tolist() == lengths
+    assert nested_offsets(nt).tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    for got, want in zip(nt.unbind(), samples):
+        assert torch.equal(got, want)
+
+
+def test_to_nested_zero_length_and_single_and_empty_batch():
+    nt = to_nested([torch.zeros(0, dtype=torch.int64)])
+    assert nt.shape[0] == 1 and nested_lengths(nt).tolist() == [0]
+    assert response_from_nested(nt).shape == (1, 0)
+    one = to_nested([torch.arange(4)])
+    assert nested_values(one).tolist() == [0, 1, 2, 3]
+    empty = to_nested([], dtype=torch.int64)
+    assert empty.shape[0] == 0 and empty.dtype == torch.int64 and nested_lengths(empty).tolist() == []
+    assert response_from_nested(empty).shape == (0, 0)
+    # A dense [n, L] tensor is taken as n samples of length L.
+    assert nested_lengths(to_nested(torch.ones(3, 2))).tolist() == [2, 2, 2]
+
+
+def test_to_nested_dtype_device_and_autograd():
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(2, requires_grad=True)
+    nt = to_nested([a, b])
+    (response_from_nested(nt) * torch.arange(3.0)).sum().backward()
+    assert a.grad.tolist() == [0.0, 1.0, 2.0] and b.grad.tolist() == [0.0, 1.0]
+    assert to_nested([torch.ones(2)], dtype=torch.float64).dtype == torch.float64
+
+
+def test_to_nested_refusals():
+    with pytest.raises(NestedShapeError, match=r"tensors\[1\].*trailing shape"):
+        to_nested([torch.ones(2, 3), torch.ones(2, 4)])
+    with pytest.raises(TypeError, match=r"tensors\[1\].*dtype"):
+        to_nested([torch.ones(2), torch.ones(2, dtype=torch.int64)])
+    with pytest.raises(NestedShapeError, match=r"tensors\[0\].*scalar"):
+        to_nested([torch.tensor(1.0)])
+    with pytest.raises(TypeError, match="already a nested"):
+        to_nested(to_nested([torch.ones(2)]))
+    with pytest.raises(TypeError, match=r"tensors\[0\].*nested"):
+        to_nested([to_nested([torch.ones(2)])])
+
+
+def test_nested_from_values_refusals():
+    with pytest.raises(NestedShapeError, match="end at len"):
+        nested_from_values(torch.ones(5), torch.tensor([0, 2, 4]))
+    with pytest.raises(NestedShapeError, match="non-decreasing"):
+        nested_from_values(torch.ones(5), torch.tensor([0, 3, 2, 5]))
+    with pytest.raises(TypeError, match="integer"):
+        nested_from_values(torch.ones(5), torch.tensor([0.0, 5.0]))
+    with pytest.raises(TypeError, match="dense"):
+        nested_from_values(to_nested([torch.ones(2)]), torch.tensor([0, 2]))
+    with pytest.raises(NestedShapeError, match="scalar"):
+        nested_from_values(torch.tensor(1.0), torch.tensor([0]))
+    with pytest.raises(NestedShapeError, match=r"\[n \+ 1\]"):
+        nested_from_values(torch.ones(2), torch.tensor([[0, 2]]))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_jagged_only_functions_refuse_dense():
+    for fn in (nested_lengths, nested_offsets, nested_values, pack_nested, response_from_nested):
+        with pytest.raises(TypeError, match="jagged"):
+            fn(torch.ones(2, 3))
+    strided = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match="layout"):
+        nested_lengths(strided)
+
+
+def test_non_contiguous_jagged_is_compacted():
+    dense = torch.arange(10).view(2, 5)
+    # A jagged view with holes (offsets + lengths), as torch.nested.narrow makes.
+    holed = torch.nested.narrow(dense, 1, torch.tensor([1, 0]), torch.tensor([2, 3]), layout=torch.jagged)
+    assert nested_lengths(holed).tolist() == [2, 3]
+    assert nested_values(holed).tolist() == [1, 2, 5, 6, 7]
+    assert response_from_nested(holed).tolist() == [[1, 2, 0], [5, 6, 7]]
+    assert pack_nested(holed).values.tolist() == [1, 2, 5, 6, 7]
+
+
+def test_jagged_pickles():
+    nt = to_nested([torch.arange(3), torch.zeros(0, dtype=torch.int64), torch.arange(2)])
+    back = pickle.loads(pickle.dumps(nt))
+    assert nested_lengths(back).tolist() == [3, 0, 2] and torch.equal(nested_values(back), nested_values(nt))
+
+
+# ----------------------------------------------------------------------------------- padded response <-> jagged
+
+
+@SETTINGS
+@given(lengths=lengths_st, trailing=trailing_st, extra=st.integers(0, 3), pad=st.sampled_from([0, -1, 7]))
+def test_response_padded_round_trip(lengths, trailing, extra, pad):
+    samples = _samples(lengths, trailing)
+    nt = to_nested(samples)
+    width = max(lengths) + extra
+    padded = response_from_nested(nt, pad_value=pad, max_len=width)
+    assert padded.shape == (len(lengths), width, *trailing)
+    for i, (row, n) in enumerate(zip(padded, lengths)):
+        assert torch.equal(row[:n], samples[i])
+        assert bool((row[n:] == pad).all())
+    back = response_to_nested(padded, torch.tensor(lengths))
+    assert nested_lengths(back).tolist() == lengths
+    assert torch.equal(nested_values(back), nested_values(nt))
+
+
+@SETTINGS
+@given(lengths=lengths_st, width_extra=st.integers(0, 3))
+def test_response_to_nested_matches_loop(lengths, width_extra):
+    width = max(lengths) + width_extra
+    padded = torch.arange(len(lengths) * width).view(len(lengths), width)
+    nt = response_to_nested(padded, torch.tensor(lengths))
+    for i, comp in enumerate(nt.unbind()):
+        assert comp.tolist() == padded[i, : lengths[i]].tolist()
+
+
+def test_response_conversion_refusals():
+    padded = torch.zeros(3, 4)
+    with pytest.raises(NestedShapeError, match=r"lengths\[1\] = 5 exceeds.*L = 4.*sample 1"):
+        response_to_nested(padded, torch.tensor([1, 5, 2]))
+    with pytest.raises(NestedShapeError, match=r"lengths\[2\] = -1 is negative"):
+        response_to_nested(padded, torch.tensor([1, 2, -1]))
+    with pytest.raises(NestedShapeError, match="expected 3 entries"):
+        response_to_nested(padded, torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="integer"):
+        response_to_nested(padded, torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(NestedShapeError, match=r"\[n, L"):
+        response_to_nested(torch.zeros(3), torch.tensor([1, 1, 1]))
+    with pytest.raises(TypeError, match="dense"):
+        response_to_nested(to_nested([torch.ones(2)]), torch.tensor([1]))
+    nt = to_nested([torch.ones(2), torch.ones(5)])
+    with pytest.raises(NestedShapeError, match=r"max_len = 3 .*sample 1 has length 5"):
+        response_from_nested(nt, max_len=3)
+    with pytest.raises(TypeError, match="max_len"):
+        response_from_nested(nt, max_len=5.0)
+
+
+# -------------------------------------------------------------------------------------------- packed forms
+
+
+@SETTINGS
+@given(lengths=lengths_st, trailing=trailing_st)
+def test_pack_unpack_round_trip(lengths, trailing):
+    samples = _samples(lengths, trailing)
+    nt = to_nested(samples)
+    packed = pack_nested(nt)
+    assert packed.cu_seqlens.dtype == torch.int32 and packed.position_ids.dtype == torch.int64
+    assert packed.num_sequences == len(lengths) and packed.num_tokens == sum(lengths)
+    assert packed.max_seqlen == max(lengths) and packed.lengths.tolist() == lengths
+    assert packed.position_ids.tolist() == [p for n in lengths for p in range(n)]
+    back = unpack_to_nested(packed.values, packed.cu_seqlens)
+    for got, want in zip(back.unbind(), samples):
+        assert torch.equal(got, want)
+    assert torch.equal(nested_values(packed.to_nested()), nested_values(nt))
+
+
+@SETTINGS
+@given(lengths=lengths_st, side=st.sampled_from(["left", "right"]), trailing=trailing_st,
+       extra=st.integers(0, 2))
+def test_padded_packed_round_trip(lengths, side, trailing, extra):
+    samples = _samples(lengths, trailing)
+    packed = pack_nested(to_nested(samples))
+    width = max(lengths) + extra
+    padded, mask = packed_to_padded(packed.values, packed.cu_seqlens, side=side, pad_value=-3, max_len=width)
+    assert padded.shape == (len(lengths), width, *trailing) and mask.dtype == torch.int64
+    for i, n in enumerate(lengths):
+        real = padded[i, width - n:] if side == "left" else padded[i, :n]
+        pads = padded[i, : width - n] if side == "left" else padded[i, n:]
+        assert torch.equal(real, samples[i]) and bool((pads == -3).all())
+        assert mask[i].sum() == n
+        assert mask[i].tolist() == ([0] * (width - n) + [1] * n if side == "left" else [1] * n + [0] * (width - n))
+    again = padded_to_packed(padded, mask)
+    assert torch.equal(again.values, packed.values) and torch.equal(again.cu_seqlens, packed.cu_seqlens)
+    assert torch.equal(again.position_ids, packed.position_ids) and again.max_seqlen == packed.max_seqlen
+
+
+def test_padded_to_packed_accepts_bool_mask_and_both_sided_padding():
+    padded = torch.tensor([[0, 5, 6, 0], [7, 8, 9, 1]])
+    mask = torch.tensor([[False, True, True, False], [True, True, True, True]])
+    packed = padded_to_packed(padded, mask)
+    assert packed.values.tolist() == [5, 6, 7, 8, 9, 1] and packed.position_ids.tolist() == [0, 1, 0, 1, 2, 3]
+
+
+def test_packed_refusals():
+    with pytest.raises(NestedShapeError, match="row 1 has 2 separate runs"):
+        padded_to_packed(torch.zeros(2, 4), torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]]))
+    with pytest.raises(NestedShapeError, match=r"attention_mask\[0, 2\] = 2"):
+        padded_to_packed(torch.zeros(2, 4), torch.tensor([[1, 1, 2, 0], [1, 0, 0, 0]]))
+    with pytest.raises(NestedShapeError, match="expected shape"):
+        padded_to_packed(torch.zeros(2, 4), torch.ones(2, 3))
+    with pytest.raises(NestedShapeError, match="padded"):
+        padded_to_packed(torch.zeros(4), torch.ones(4))
+    with pytest.raises(ValueError, match="side"):
+        packed_to_padded(torch.zeros(3), torch.tensor([0, 3], dtype=torch.int32), side="middle")
+    with pytest.raises(TypeError, match="int32"):
+        PackedBatch(torch.zeros(2), torch.tensor([0, 2]), torch.arange(2), 2)
+    with pytest.raises(NestedShapeError, match="values' 3 tokens"):
+        PackedBatch(torch.zeros(3), torch.tensor([0, 2], dtype=torch.int32), torch.arange(2), 2)
+    with pytest.raises(NestedShapeError, match="end at"):
+        unpack_to_nested(torch.zeros(3), torch.tensor([0, 2], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------- log-prob shift
+
+
+@st.composite
+def _seq_and_response(draw):
+    n = draw(st.integers(1, 6))
+    prompts = draw(st.lists(st.integers(1, 5), min_size=n, max_size=n))
+    responses = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+    return prompts, responses
+
+
+@SETTINGS
+@given(pr=_seq_and_response(), trailing=st.sampled_from([(), (3,)]))
+def test_response_values_from_packed_matches_loop(pr, trailing):
+    prompts, responses = pr
+    seq = [p + r for p, r in zip(prompts, responses)]
+    cu = torch.tensor([0] + list(torch.tensor(seq).cumsum(0).tolist()), dtype=torch.int32)
+    per_token = torch.randn(int(cu[-1]), *trailing)
+    got = response_values_from_packed(per_token, cu, torch.tensor(responses))
+    assert nested_lengths(got).tolist() == responses
+    for i, comp in enumerate(got.unbind()):
+        start, p = int(cu[i]), prompts[i]
+        for j in range(responses[i]):
+            # logits at position start + P + j - 1 predict response token j (token start + P + j).
+            assert torch.equal(comp[j], per_token[start + p + j - 1])
+    # The inverse scatter puts every value back and fills the rest.
+    back = response_values_to_packed(got, cu, fill=float("nan"))
+    used = ~torch.isnan(back)
+    assert torch.equal(back[used], per_token[used])
+    assert int(used.reshape(used.shape[0], -1)[:, 0].sum()) == sum(responses)
+
+
+def test_response_values_from_packed_with_real_logits():
+    """The shift matches gathering next-token log-probs from a packed forward's logits."""
+    torch.manual_seed(0)
+    prompts, responses, vocab = [2, 1, 3], [3, 0, 2], 11
+    seqs = [torch.randint(0, vocab, (p + r,)) for p, r in zip(prompts, responses)]
+    packed = pack_nested(to_nested(seqs))
+    logits = torch.randn(packed.num_tokens, vocab)
+    next_tok = torch.roll(packed.values, -1)  # token t + 1 at position t (the wrap is never used)
+    logp = torch.log_softmax(logits, -1).gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
+    got = response_values_from_packed(logp, packed.cu_seqlens, torch.tensor(responses))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        start = int(packed.cu_seqlens[i])
+        want = [float(torch.log_softmax(logits[start + p + j - 1], -1)[seqs[i][p + j]]) for j in range(r)]
+        assert got.unbind()[i].tolist() == pytest.approx(want)
+
+
+def test_response_values_from_packed_refusals():
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    with pytest.raises(NestedShapeError, match=r"sample 1: seq_len = 2, response_len = 2.*prompt_len = 0"):
+        response_values_from_packed(torch.zeros(5), cu, torch.tensor([1, 2]))
+    with pytest.raises(NestedShapeError, match=r"response_lens\[0\] = -1"):
+        response_values_from_packed(torch.zeros(5), cu, torch.tensor([-1, 1]))
+    with pytest.raises(NestedShapeError, match="expected 2 entries"):
+        response_values_from_packed(torch.zeros(5), cu, torch.tensor([1]))
+    with pytest.raises(NestedShapeError, match="has 4 positions"):
+        response_values_from_packed(torch.zeros(4), cu, torch.tensor([1, 1]))
+    with pytest.raises(NestedShapeError, match="start at 0"):
+        response_values_from_packed(torch.zeros(5), torch.tensor([1, 3, 5]), torch.tensor([1, 1]))
+    with pytest.raises(NestedShapeError, match="non-decreasing"):
+        response_values_from_packed(torch.zeros(5), torch.tensor([0, 4, 3, 5]), torch.tensor([1, 0, 1]))
+    with pytest.raises(TypeError, match="jagged"):
+        response_values_to_packed(torch.zeros(2, 2), cu)

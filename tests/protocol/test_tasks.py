@@ -1,0 +1,144 @@
+"""Learnable tasks: seeded generation, the rule-based scorer, and the parquet rows."""
+from __future__ import annotations
+
+import random
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from protocol.tasks import (
+    CopyTask, RepeatTask, ReverseTask, TaskError, char_match_score, get_task, known_tasks, make_rows,
+    normalize_response, register_task, score, write_task_data,
+)
+from protocol.tokenizer import CharTokenizer
+
+words = st.text(alphabet="abcdxyz", max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(r=words, t=words)
+def test_char_match_score_formula(r, t):
+    expected = 1.0 if not r and not t else sum(a == b for a, b in zip(r, t)) / max(len(r), len(t))
+    s = char_match_score(r, t)
+    assert s == pytest.approx(expected)
+    assert 0.0 <= s <= 1.0
+    assert (s == 1.0) == (r == t)
+
+
+@settings(max_examples=100, deadline=None)
+@given(t=st.text(alphabet="abcd", min_size=1, max_size=8), extra=st.text(alphabet="abcd", min_size=1, max_size=4))
+def test_extra_or_missing_characters_lower_the_score(t, extra):
+    assert char_match_score(t + extra, t) < 1.0
+    assert char_match_score(t[:-1], t) < 1.0
+    assert char_match_score(t, t) == 1.0
+
+
+def test_known_tasks_and_transforms():
+    assert {"copy", "reverse", "repeat"} <= set(known_tasks())
+    rng = random.Random(0)
+    for name, check in (("copy", lambda w, g: g == w), ("reverse", lambda w, g: g == w[::-1])):
+        for _ in range(20):
+            ex = get_task(name).sample(rng)
+            word = ex.params["word"]
+            assert ex.prompt == f"{name}: {word}"
+            assert check(word, ex.ground_truth)
+            assert 3 <= len(word) <= 6 and set(word) <= set("abcd")
+    ex = get_task("repeat").sample(rng)
+    assert ex.ground_truth == ex.params["word"] * ex.params["count"]
+    assert isinstance(get_task("copy"), CopyTask) and isinstance(get_task("reverse"), ReverseTask)
+    assert isinstance(get_task("repeat"), RepeatTask)
+
+
+def test_score_dispatches_by_data_source_and_counts_every_character():
+    assert score("copy", "abc", "abc") == 1.0
+    assert score("copy", "abc ", "abc") == 0.75  # filler whitespace is not free
+    assert score("reverse", "abd", "abc") == pytest.approx(2 / 3)
+    assert normalize_response("\tab ") == "\tab "
+
+
+def test_special_tokens_cannot_hide_filler():
+    tok = CharTokenizer()
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    exact = tok.decode(tok.encode("ccc") + [eos], skip_special=False)
+    assert score("repeat", exact, "ccc") == 1.0
+    assert score("repeat", tok.decode(tok.encode("ccc"), skip_special=False), "ccc") == 1.0  # cut at max_tokens
+    hidden = tok.decode([tok.encode("c")[0], pad, tok.encode("c")[0], 120, tok.encode("c")[0]], skip_special=False)
+    assert normalize_response(hidden) == "c\ufffdc\ufffdc"
+    assert score("repeat", hidden, "ccc") == pytest.approx(2 / 5)
+    assert score("repeat", "ccc<|eos|><|eos|>", "ccc") == 0.75
+    with pytest.raises(TaskError, match="response_text must be a str"):
+        normalize_response(None)
+    with pytest.raises(TaskError, match="ground_truth must be a str"):
+        get_task("copy").score("a", 3)
+
+
+def test_scorer_on_decoded_tokens_ignores_the_final_eos():
+    tok = CharTokenizer()
+    ids = tok.encode("abca") + [tok.eos_token_id]
+    assert score("copy", tok.decode(ids), "abca") == 1.0
+    assert score("copy", tok.decode(ids, skip_special=False), "abca") == 1.0
+
+
+def test_bad_task_names_and_parameters():
+    with pytest.raises(TaskError, match="unknown task 'nope'.*copy"):
+        get_task("nope")
+    with pytest.raises(TaskError, match="min_len <= max_len"):
+        get_task("copy", min_len=5, max_len=2)
+    with pytest.raises(TaskError, match="alphabet"):
+        get_task("copy", alphabet="aa")
+    with pytest.raises(TaskError, match="alphabet may hold only"):
+        get_task("copy", alphabet="a_")
+    with pytest.raises(TaskError, match="bad parameters"):
+        get_task("copy", colour="red")
+    with pytest.raises(TaskError, match="already registered"):
+        register_task("copy")(CopyTask)
+    with pytest.raises(TaskError, match="n must be >= 0"):
+        get_task("copy").warmup_pairs(-1, 0)
+
+
+def test_rows_are_seeded_and_splits_independent():
+    a = make_rows("copy", 30, seed=3)
+    assert a == make_rows("copy", 30, seed=3)
+    assert a != make_rows("copy", 30, seed=4)
+    assert make_rows("copy", 10, 3, "val") == make_rows("copy", 20, 3, "val")[:10]
+    row = a[0]
+    assert set(row) == {"raw_prompt", "data_source", "extra_info", "reward_model"}
+    assert row["data_source"] == "copy"
+    assert row["raw_prompt"] == [{"role": "user", "content": f"copy: {row['extra_info']['word']}"}]
+    assert row["extra_info"]["index"] == 0 and row["extra_info"]["split"] == "train"
+    assert row["extra_info"]["ground_truth"] == row["reward_model"]["ground_truth"]
+    assert [r["extra_info"]["index"] for r in a] == list(range(30))
+    with pytest.raises(TaskError, match="integer >= 0"):
+        make_rows("copy", -1, 0)
+
+
+def test_every_answer_scores_one_and_fits_the_tokenizer():
+    tok = CharTokenizer()
+    for name in ("copy", "reverse", "repeat"):
+        for row in make_rows(name, 50, seed=1):
+            gt = row["reward_model"]["ground_truth"]
+            assert score(name, gt, gt, row["extra_info"]) == 1.0
+            ids = tok.apply_chat_template(row["raw_prompt"], add_generation_prompt=True)
+            assert tok.unk_token_id not in ids
+            assert tok.decode(tok.encode(gt)) == gt
+
+
+def test_warmup_pairs_come_from_the_generator():
+    pairs = get_task("reverse").warmup_pairs(5, seed=2)
+    assert len(pairs) == 5 and pairs == get_task("reverse").warmup_pairs(5, seed=2)
+    for messages, target in pairs:
+        word = messages[0]["content"].split(": ", 1)[1]
+        assert target == word[::-1]
+
+
+def test_write_task_data_parquet(tmp_path):
+    paths = write_task_data(tmp_path / "copy", "copy", train=12, val=4, seed=0, max_len=4)
+    train = pq.read_table(paths["train"]).to_pylist()
+    val = pq.read_table(paths["val"]).to_pylist()
+    assert len(train) == 12 and len(val) == 4
+    assert train == make_rows("copy", 12, 0, "train", max_len=4)
+    assert all(len(r["reward_model"]["ground_truth"]) <= 4 for r in train)
+    assert all(r["extra_info"]["split"] == "val" for r in val)
+    with pytest.raises(TaskError, match="--val must be >= 1"):
+        write_task_data(tmp_path / "x", "copy", train=2, val=0)

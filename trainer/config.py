@@ -1,0 +1,224 @@
+"""The run's typed configuration: YAML + dot-list overrides, validated once at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from backends.config import EngineConfig, FSDPConfig, MegatronConfig, OptimConfig, PolicyLossConfig
+from backends.model.config import ModelConfig
+from trainer.schema import ConfigError, build_dataclass
+
+__all__ = ["RunConfig", "load_config", "ConfigError"]
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["data/copy/train.parquet"])
+    val_files: list[str] = field(default_factory=lambda: ["data/copy/val.parquet"])
+    task: str = "copy"  # generated on first use when the files are missing (scripts/make_task_data.py)
+    train_size: int = 2048
+    val_size: int = 64
+    tokenizer: str = "char"
+    max_prompt_length: int = 64
+    max_response_length: int = 16
+    train_batch_size: int = 8  # prompts per step
+    val_batch_size: int = 16
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 4  # sessions per prompt (GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    agent_loop: str = "single_turn"  # single_turn | tool
+    max_turns: int = 4
+    log_prob_mode: str = "recompute"  # recompute (engine) | bypass (the rollout's own log-probs)
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class BalanceConfig:
+    enabled: bool = True
+    group_level: bool = False  # keep each GRPO group on one DP rank
+    hidden_size: int | None = None  # workload coefficients derive from it; None = model.hidden_size
+
+
+@dataclass
+class ActorConfig:
+    backend: str = "fsdp"  # fsdp | megatron
+    ppo_mini_batch_size: int = 4  # prompts per optimizer step
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 2048
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+
+
+@dataclass
+class RefConfig:
+    enabled: bool = True  # a frozen copy of the initial policy
+
+
+@dataclass
+class ReplayConfig:
+    failure_policy: str = "drop"  # drop | keep_successful
+    off_policy_strategy: str = "drop"
+    max_off_policy_threshold: int = 8
+    parameter_sync_step: int = 1
+    sample_timeout_s: float = 600.0
+
+
+@dataclass
+class TrainerSection:
+    total_steps: int = 60
+    run_dir: str = "runs/grpo_tiny"
+    save_freq: int = 0  # 0 = only at the end
+    resume: str = "never"  # never | auto | a checkpoint folder
+    val_freq: int = 0  # 0 = before the first and after the last step only
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class TraceConfig:
+    enabled: bool = False
+    path: str = ""  # default: {run_dir}/trace.jsonl
+
+
+@dataclass
+class DebugConfig:
+    check_invariants: bool = False
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's view of this run."""
+        return EngineConfig(
+            model=self.model, optim=self.actor.optim, loss=self.actor.loss, fsdp=self.actor.fsdp,
+            megatron=self.actor.megatron, seed=self.trainer.seed,
+            max_token_len_per_gpu=self.actor.max_token_len_per_gpu if self.actor.use_dynamic_bsz else None,
+        )
+
+    def topology_config(self) -> dict[str, Any]:
+        """The parallel degrees for ``dispatch.Topology.from_config`` (the rest of the section is engine-only)."""
+        if self.actor.backend == "fsdp":
+            f = self.actor.fsdp
+            return {"backend": "fsdp", "ulysses_sp": f.ulysses_sp, "fsdp_size": f.fsdp_size}
+        m = self.actor.megatron
+        return {"backend": "megatron", "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "cp": m.cp, "ep": m.ep, "etp": m.etp,
+                "dynamic_cp": m.dynamic_cp}
+
+
+_CHOICES = {
+    "actor.backend": ("fsdp", "megatron"),
+    "rollout.agent_loop": ("single_turn", "tool"),
+    "rollout.log_prob_mode": ("recompute", "bypass"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "replay.failure_policy": ("drop", "keep_successful"),
+    "replay.off_policy_strategy": ("drop", "wait"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+}
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Cross-field checks that no single section can make; each error names the keys to change."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key} must be one of {list(choices)}, got {_get(cfg, key)!r}")
+    positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
+                "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.micro_batch_size_per_gpu",
+                "actor.max_token_len_per_gpu", "trainer.total_steps"]
+    for key in positive:
+        value = _get(cfg, key)
+        if value <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {value}")
+    a, d = cfg.actor, cfg.data
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size ({d.train_batch_size}) must be a multiple of actor.ppo_mini_batch_size "
+            f"({a.ppo_mini_batch_size}) prompts: each step makes train_batch_size / ppo_mini_batch_size optimizer steps"
+        )
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    seq_budget = d.max_prompt_length + d.max_response_length
+    if a.use_dynamic_bsz and a.max_token_len_per_gpu < seq_budget:
+        raise ConfigError(
+            f"actor.max_token_len_per_gpu ({a.max_token_len_per_gpu}) is smaller than one full sequence "
+            f"(data.max_prompt_length + data.max_response_length = {seq_budget}); raise it"
+        )
+    if seq_budget > cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {seq_budget} exceeds "
+            f"model.max_position_embeddings ({cfg.model.max_position_embeddings})"
+        )
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read YAML (optional), apply ``key=value`` overrides, and return the validated typed config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        base = OmegaConf.load(str(path)) if path else OmegaConf.create({})
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--config {path}: no such file") from exc
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. actor.backend=megatron)")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot read the configuration: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return validate(build_dataclass(RunConfig, data))

@@ -1,0 +1,239 @@
+"""The rollout worker: a local copy of the policy that samples responses, batching concurrent async requests."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from backends.model.config import ModelConfig
+from backends.model.generate import generate as batched_generate
+from backends.model.llama import LlamaModel
+
+__all__ = ["RolloutError", "SamplingParams", "RolloutWorker"]
+
+
+class RolloutError(ValueError):
+    """Bad sampling parameters, prompts or weights given to the rollout worker; the message names the value."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled: ``temperature`` (0 = greedy), nucleus ``top_p``, at most ``max_tokens`` tokens.
+
+    Generation also stops after the tokenizer's eos token, which is kept as the last response token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise RolloutError(f"sampling temperature must be a number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise RolloutError(f"sampling top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RolloutError(f"sampling max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+    @classmethod
+    def from_any(cls, params: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
+        """Accept a SamplingParams, a mapping (``max_new_tokens`` is an alias of ``max_tokens``) or None."""
+        if params is None:
+            return cls()
+        if isinstance(params, cls):
+            return params
+        if not isinstance(params, Mapping):
+            raise RolloutError(f"sampling_params must be a SamplingParams or a mapping, got {type(params).__name__}")
+        d = dict(params)
+        if "max_new_tokens" in d:
+            if "max_tokens" in d and d["max_tokens"] != d["max_new_tokens"]:
+                raise RolloutError(f"sampling_params: max_tokens={d['max_tokens']!r} and max_new_tokens="
+                                   f"{d['max_new_tokens']!r} disagree; give one")
+            d["max_tokens"] = d.pop("max_new_tokens")
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - valid)
+        if unknown:
+            raise RolloutError(f"unknown sampling parameter(s) {unknown}; valid: {sorted(valid)} (+ max_new_tokens)")
+        return cls(**d)
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+
+
+class RolloutWorker:
+    """Holds the rollout policy; ``generate`` samples one request, ``agenerate`` batches concurrent ones.
+
+    Sampling draws from one per-worker generator seeded by ``(seed, rank)``, so a run is reproducible for a
+    fixed request order. The model starts from ``LlamaModel.from_seed(model_cfg, init_seed)``. Weights are pushed with :meth:`load_weights` after every actor update.
+
+    Example::
+
+        worker = RolloutWorker(ModelConfig(), CharTokenizer(), seed=0)
+        ids, logprobs = worker.generate(tok.apply_chat_template(msgs), {"temperature": 1.0, "max_tokens": 8})
+    """
+
+    def __init__(self, model_cfg: ModelConfig, tokenizer: Any, device: str | torch.device = "cpu", seed: int = 0,
+                 rank: int = 0, max_batch_size: int | None = None, init_seed: int = 0):
+        if not isinstance(model_cfg, ModelConfig):
+            raise RolloutError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
+        if getattr(tokenizer, "vocab_size", None) is None or getattr(tokenizer, "eos_token_id", None) is None:
+            raise RolloutError("tokenizer must provide vocab_size and eos_token_id")
+        if tokenizer.vocab_size > model_cfg.vocab_size:
+            raise RolloutError(f"tokenizer vocab_size {tokenizer.vocab_size} exceeds model.vocab_size "
+                               f"{model_cfg.vocab_size}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise RolloutError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        self.model_cfg = model_cfg
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.seed, self.rank = int(seed), int(rank)
+        self.max_batch_size = max_batch_size
+        # Deterministic placeholder weights until the first load_weights; the sampling seed does not change them.
+        self.model = LlamaModel.from_seed(model_cfg, seed=int(init_seed), device=self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.generator = torch.Generator(device=self.device)
+        self.reseed(self.seed, self.rank)
+        self.weights_version = 0
+        self.batch_sizes: list[int] = []  # size of every batched generate call (for metrics and tests)
+        self._pending: list[_Request] = []
+        self._flusher: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------------------------------------ state
+    def reseed(self, seed: int, rank: int | None = None) -> None:
+        """Restart the sampling stream from ``(seed, rank)``."""
+        self.seed = int(seed)
+        if rank is not None:
+            self.rank = int(rank)
+        self.generator.manual_seed((self.seed * 1_000_003 + self.rank) % (2**63))
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Copy full weights in the project's model layout into the rollout model (names and shapes must match)."""
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise RolloutError(f"load_weights: state dict does not match the rollout model; missing {missing[:5]}"
+                               f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                               f"{'...' if len(unexpected) > 5 else ''}")
+        for name, t in state_dict.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise RolloutError(f"load_weights: {name} has shape {tuple(t.shape)}, the rollout model expects "
+                                   f"{tuple(own[name].shape)}")
+        with torch.no_grad():
+            for name, t in state_dict.items():
+                own[name].copy_(t.detach().to(device=own[name].device, dtype=own[name].dtype))
+        self.weights_version = self.weights_version + 1 if version is None else int(version)
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the rollout weights (for checks that the sync happened)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    # ------------------------------------------------------------------------------------------- sampling
+    def _check_prompt(self, prompt_ids: Sequence[int], where: str) -> list[int]:
+        if hasattr(prompt_ids, "tolist"):
+            prompt_ids = prompt_ids.tolist()
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+            raise RolloutError(f"{where}: prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
+        ids = list(prompt_ids)
+        if not ids:
+            raise RolloutError(f"{where}: prompt_ids is empty; a prompt needs at least one token")
+        vocab = self.model_cfg.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise RolloutError(f"{where}: prompt token {i} is {t!r}, expected an int in [0, {vocab})")
+        return ids
+
+    def _check_fits(self, prompt: list[int], params: SamplingParams, where: str) -> None:
+        limit = self.model_cfg.max_position_embeddings
+        if len(prompt) + params.max_tokens > limit:
+            raise RolloutError(f"{where}: prompt_len {len(prompt)} + max_tokens {params.max_tokens} exceeds "
+                               f"model.max_position_embeddings {limit}")
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]],
+                       sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                       ) -> list[tuple[list[int], list[float]]]:
+        """Sample every prompt in one batched generation; return ``(token_ids, logprobs)`` per prompt, in order."""
+        params = SamplingParams.from_any(sampling_params)
+        checked = [self._check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, p in enumerate(checked):
+            self._check_fits(p, params, f"prompt {i}")
+        if not checked:
+            return []
+        return self._run([_Request(p, params, None) for p in checked])  # type: ignore[arg-type]
+
+    def generate(self, prompt_ids: Sequence[int],
+                 sampling_params: SamplingParams | Mapping[str, Any] | None = None) -> tuple[list[int], list[float]]:
+        """Sample one response: ``(token_ids, logprobs)``; the eos token, when produced, ends the list."""
+        return self.generate_batch([prompt_ids], sampling_params)[0]
+
+    def __call__(self, prompt_ids: Sequence[int], sampling_params: Any = None) -> tuple[list[int], list[float]]:
+        return self.generate(prompt_ids, sampling_params)
+
+    def _run(self, requests: list[_Request]) -> list[tuple[list[int], list[float]]]:
+        """Generate for requests grouped by (temperature, top_p), each group in chunks of ``max_batch_size``."""
+        results: list[tuple[list[int], list[float]] | None] = [None] * len(requests)
+        groups: dict[tuple[float, float], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault((float(r.params.temperature), float(r.params.top_p)), []).append(i)
+        for (temperature, top_p), idx in groups.items():
+            step = self.max_batch_size or len(idx)
+            for start in range(0, len(idx), step):
+                chunk = idx[start:start + step]
+                max_new = max(requests[i].params.max_tokens for i in chunk)
+                self.batch_sizes.append(len(chunk))
+                toks, lps = batched_generate(self.model, [requests[i].prompt for i in chunk], max_new_tokens=max_new,
+                                             temperature=temperature, top_p=top_p,
+                                             eos_token_id=self.tokenizer.eos_token_id, generator=self.generator)
+                for i, t, lp in zip(chunk, toks, lps):
+                    m = requests[i].params.max_tokens  # a shorter budget is a prefix of the same sample
+                    results[i] = (t[:m], lp[:m])
+        return results  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------------------------------------- async
+    async def agenerate(self, prompt_ids: Sequence[int],
+                        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                        ) -> tuple[list[int], list[float]]:
+        """Async :meth:`generate`: requests that arrive while the event loop is busy are sampled as one batch.
+
+        The batch is cut once the loop has had a tick in which no new request arrived, so every session that
+        is ready to generate joins it; batch composition (and thus the samples) is deterministic for a fixed
+        order of requests.
+        """
+        params = SamplingParams.from_any(sampling_params)
+        prompt = self._check_prompt(prompt_ids, "agenerate")
+        self._check_fits(prompt, params, "agenerate")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.append(_Request(prompt, params, fut))
+        if self._flusher is None or self._flusher.done() or self._flusher.get_loop() is not loop:
+            self._flusher = loop.create_task(self._flush_loop())
+        return await fut
+
+    async def _flush_loop(self) -> None:
+        while self._pending:
+            seen = -1
+            while seen != len(self._pending):  # let every ready coroutine submit before cutting the batch
+                seen = len(self._pending)
+                await asyncio.sleep(0)
+            batch, self._pending = self._pending, []
+            live = [r for r in batch if not r.future.done()]  # a cancelled caller drops its request
+            if not live:
+                continue
+            try:
+                results = self._run(live)
+            except Exception as exc:  # every waiter of the failed batch sees the error
+                for r in live:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            for r, res in zip(live, results):
+                if not r.future.done():
+                    r.future.set_result(res)
