@@ -27,7 +27,7 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
     """Multiplier of ``cfg.lr`` for the optimizer step with 0-based index ``step``.
 
     Linear warm-up ``(step + 1) / warmup_steps`` for ``step < warmup_steps``; then 1 (constant) or a cosine from 1
-    down to ``min_lr_ratio`` reached at ``total_steps`` and held after.
+    down to ``min_lr_ratio`` over ``max(1, total_steps - warmup_steps)`` steps, held after.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")

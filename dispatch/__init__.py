@@ -34,6 +34,7 @@ from dispatch.padding import (
 )
 from dispatch.plan import DispatchPlan, MiniBatchPlan, PlanError, RankPlan, build_plan, restore_order, reverse_index
 from dispatch.settings import BatchSettings, DispatchConfigError
+from dispatch.synthetic import DISTRIBUTIONS, synthetic_lengths
 from dispatch.topology import Backend, Topology, TopologyError
 from dispatch.workload import DEFAULT_HIDDEN_SIZE, WorkloadError, WorkloadModel
 
@@ -46,5 +47,6 @@ __all__ = [
     "PaddingBatch", "PaddingError", "make_padding", "padding_count", "is_padding_key", "PADDING_UID_PREFIX",
     "INT_FIELDS", "FLOAT_FIELDS", "DENSE_FIELDS",
     "MicroBatchError", "pack_micro_batches", "min_micro_batches", "split_micro_batches", "small_ends_order",
+    "DISTRIBUTIONS", "synthetic_lengths",
     "PlanError", "MiniBatchPlan", "RankPlan", "DispatchPlan", "build_plan", "reverse_index", "restore_order",
 ]

@@ -315,6 +315,11 @@ def build_plan(tags: Sequence[Mapping[str, Any]], topology: Topology, settings: 
     per_mini = len(units) if settings.mini_batch_samples is None else (
         settings.ppo_mini_batch_size if settings.group_partition else settings.mini_batch_samples)
     token_cap = settings.token_cap(topology)
+    if token_cap is not None and int(seq.max()) > token_cap:
+        i = int(np.argmax(seq > token_cap))
+        raise PlanError(f"sample {names[i]!r} has seq_len {int(seq[i])} > the micro-batch token cap {token_cap} "
+                        f"(max_token_len_per_gpu {settings.max_token_len_per_gpu} x seq_shards {topology.seq_shards}); "
+                        f"raise max_token_len_per_gpu or filter longer trajectories")
 
     rank_minis: list[list[MiniBatchPlan]] = [[] for _ in range(dp)]
     baseline = np.zeros(dp)

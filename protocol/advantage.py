@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from protocol.keys import parse_trajectory_key
+
 __all__ = [
     "AdvantageFn",
     "register_advantage",
@@ -39,6 +41,7 @@ __all__ = [
     "get_advantage_fn",
     "compute_advantage",
     "trajectory_scores",
+    "session_inputs_from_keys",
     "masked_whiten",
     "grpo_advantage",
     "rloo_advantage",
@@ -124,6 +127,26 @@ def trajectory_scores(token_level_rewards: Tensor, response_mask: Tensor) -> Ten
     mask = response_mask.bool()
     return torch.where(mask, token_level_rewards, torch.zeros((), dtype=token_level_rewards.dtype,
                                                               device=token_level_rewards.device)).sum(-1)
+
+
+def session_inputs_from_keys(keys: Sequence[str]) -> dict[str, list]:
+    """``index``, ``session_index`` and ``is_final_output`` for the outcome estimators, from trajectory keys.
+
+    The final output of a session is the one with the highest ``index`` among the keys given. Pass the result as
+    keyword arguments: ``compute_advantage("grpo", ..., **session_inputs_from_keys(keys))``.
+
+    >>> session_inputs_from_keys(["a_0_0", "a_0_1", "a_1_0"])["is_final_output"]
+    [False, True, True]
+    """
+    parsed = [parse_trajectory_key(k) for k in keys]
+    last: dict[tuple[str, int], int] = {}
+    for uid, session, index in parsed:
+        last[(uid, session)] = max(index, last.get((uid, session), -1))
+    return {
+        "index": [uid for uid, _, _ in parsed],
+        "session_index": [(uid, session) for uid, session, _ in parsed],
+        "is_final_output": [index == last[(uid, session)] for uid, session, index in parsed],
+    }
 
 
 def _units(scores: Tensor, real: Tensor, index: Any, session_index: Any, is_final_output: Any

@@ -540,6 +540,16 @@ class DataProto:
                 if keys != ref_keys:
                     raise KeyError(f"concat: data[{i}] batch keys differ from data[0]: missing "
                                    f"{sorted(map(str, ref_keys - keys))}, extra {sorted(map(str, keys - ref_keys))}")
+            for key in data[0].batch.keys(include_nested=True, leaves_only=True):
+                first = data[0].batch.get(key)
+                for i, d in enumerate(data[1:], start=1):
+                    other = d.batch.get(key)
+                    if is_jagged(first) != is_jagged(other) or first.dtype != other.dtype or (
+                            first.shape[1:] != other.shape[1:] and not is_jagged(first)) or (
+                            is_jagged(first) and first.shape[2:] != other.shape[2:]):
+                        raise BatchSizeMismatchError(
+                            f"concat: batch field {key!r} is {_describe(other)} in data[{i}] but {_describe(first)} "
+                            f"in data[0]; parts must agree on layout, dtype and per-sample shape")
             batch = torch.cat([d.batch for d in data], dim=0)
         ref_nt = set(data[0].non_tensor_batch)
         for i, d in enumerate(data[1:], start=1):
@@ -662,9 +672,9 @@ _STATE_TD = "consolidated-tensordict"
 def _batch_state(batch: TensorDict | None, fast: bool = True) -> Any:
     """Picklable form of a batch: consolidated, then (``fast``) its single buffer as a numpy array + metadata.
 
-    The fast form uses tensordict's consolidation metadata and rebuild function; where those are not available
-    (another tensordict version) the consolidated TensorDict itself is pickled, which is the same data through
-    torch's slower storage pickling.
+    The fast form uses tensordict's consolidation metadata and rebuild function; for a batch on an accelerator, or
+    where those are not available (another tensordict version), the consolidated TensorDict itself is pickled: the
+    same single buffer through torch's slower storage pickling, which also restores the device.
     """
     if batch is None:
         return None
@@ -673,7 +683,8 @@ def _batch_state(batch: TensorDict | None, fast: bool = True) -> Any:
     consolidated = batch.consolidate()
     info = getattr(consolidated, "_consolidated", None)
     if fast and _rebuild_consolidated is not None and isinstance(info, dict) and info.get("metadata") is not None \
-            and isinstance(info.get("storage"), torch.Tensor) and info["storage"].dtype == torch.uint8:
+            and isinstance(info.get("storage"), torch.Tensor) and info["storage"].dtype == torch.uint8 \
+            and info["storage"].device.type == "cpu":
         return (_STATE_BUFFER, info["metadata"], info["storage"].numpy())
     return (_STATE_TD, consolidated)
 
@@ -689,6 +700,12 @@ def _batch_from_state(state: Any) -> TensorDict | None:
     if state[0] == _STATE_TD:
         return state[1]
     raise DataProtoError(f"unknown pickled batch format {state[0]!r}")
+
+
+def _describe(t: torch.Tensor) -> str:
+    layout = "jagged" if is_jagged(t) else "dense"
+    shape = ["j" if is_jagged(t) and d == 1 else int(t.shape[d]) for d in range(1, t.dim())]
+    return f"{layout} {str(t.dtype).removeprefix('torch.')} [n, {', '.join(map(str, shape))}]".replace(", ]", "]")
 
 
 def _pick(source: dict[str, Any], keys: list[str] | None, kind: str) -> dict[str, Any]:

@@ -118,6 +118,7 @@ class AdaptiveKLController:
     """Proportional controller that steers the measured KL towards ``target_kl``.
 
     ``err = clip(current_kl / target_kl - 1, -0.2, 0.2)``; ``value *= 1 + err * n_steps / horizon``.
+    An update with ``n_steps >= 5 * horizon`` is refused (the multiplier could reach 0 or turn negative).
     """
 
     def __init__(self, init_coef: float, target_kl: float, horizon: float) -> None:
@@ -135,6 +136,9 @@ class AdaptiveKLController:
         """Scale the coefficient by ``1 + clip(kl/target - 1, ±0.2) * n_steps / horizon``."""
         if n_steps < 0:
             raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+        if 0.2 * n_steps >= self.horizon:  # the multiplier could reach <= 0 and flip or kill the coefficient
+            raise ValueError(f"kl_ctrl.horizon={self.horizon} is too short for updates of n_steps={n_steps}; "
+                             f"expected horizon > 0.2 * n_steps = {0.2 * n_steps}")
         err = min(max(float(current_kl) / self.target_kl - 1.0, -0.2), 0.2)
         self.value *= 1.0 + err * n_steps / self.horizon
 

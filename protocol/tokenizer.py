@@ -117,8 +117,13 @@ class CharTokenizer:
             out.append(i)
         return out
 
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        """Text of ``ids``; specials are dropped when ``skip_special`` (``unk`` always decodes to U+FFFD)."""
+    def decode(self, ids: Iterable[int], skip_special: bool = True, skip_special_tokens: bool | None = None) -> str:
+        """Text of ``ids``; specials are dropped when ``skip_special`` (``unk`` always decodes to U+FFFD).
+
+        ``skip_special_tokens`` is accepted as an alias so code written for Hugging Face tokenizers works too.
+        """
+        if skip_special_tokens is not None:
+            skip_special = bool(skip_special_tokens)
         table, specials, unk = self._id_to_token, self._special_ids, self.unk_token_id
         parts = []
         for i in self._check_ids(ids):

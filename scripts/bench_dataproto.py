@@ -103,14 +103,15 @@ def main() -> None:
     rows = run(args.n, args.min_len, args.max_len, args.repeats, args.seed)
     naive = {r["case"]: r for r in rows if r["method"] == "naive"}
     print(f"{'case':<14} {'method':<13} {'samples':>7} {'MB':>9} {'dumps ms':>9} {'loads ms':>9} "
-          f"{'bytes/naive':>11} {'dumps/naive':>11}")
+          f"{'bytes/naive':>11} {'dumps/naive':>11} {'loads/naive':>11}")
     for r in rows:
         base = naive[r["case"]]
         r["bytes_ratio_vs_naive"] = r["bytes"] / base["bytes"]
         r["dumps_ratio_vs_naive"] = r["dumps_s"] / base["dumps_s"]
+        r["loads_ratio_vs_naive"] = r["loads_s"] / base["loads_s"]
         print(f"{r['case']:<14} {r['method']:<13} {r['samples']:>7} {r['bytes'] / 2**20:>9.2f} "
               f"{r['dumps_s'] * 1e3:>9.1f} {r['loads_s'] * 1e3:>9.1f} {r['bytes_ratio_vs_naive']:>11.3f} "
-              f"{r['dumps_ratio_vs_naive']:>11.3f}")
+              f"{r['dumps_ratio_vs_naive']:>11.3f} {r['loads_ratio_vs_naive']:>11.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": vars(args), "torch": torch.__version__, "numpy": np.__version__, "rows": rows},

@@ -20,9 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alphabet", default=None, help="characters words are drawn from (default: the task's)")
     ap.add_argument("--min-len", type=int, default=None, help="shortest word (default: the task's)")
     ap.add_argument("--max-len", type=int, default=None, help="longest word (default: the task's)")
+    ap.add_argument("--length-weight", type=float, default=None,
+                    help="weight of the length term in the score (default: the task's, 0.5)")
     args = ap.parse_args(argv)
-    params = {k: v for k, v in (("alphabet", args.alphabet), ("min_len", args.min_len), ("max_len", args.max_len))
-              if v is not None}
+    params = {k: v for k, v in (("alphabet", args.alphabet), ("min_len", args.min_len), ("max_len", args.max_len),
+                                ("length_weight", args.length_weight)) if v is not None}
     try:
         paths = write_task_data(args.out_dir, args.task, args.train, args.val, args.seed, **params)
     except TaskError as exc:

@@ -114,7 +114,8 @@ class TraceConfig:
 
 @dataclass
 class DebugConfig:
-    check_invariants: bool = False
+    check_invariants: bool = False  # run protocol.invariants after every stage (slow; for debugging)
+    inject_rollout_failures: float = 0.0  # fraction of prompt groups whose session 0 raises (tests the failure policy)
 
 
 @dataclass

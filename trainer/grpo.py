@@ -40,7 +40,9 @@ from protocol.tokenizer import load_tokenizer
 from trainer.bridge import StoreBridge
 from trainer.config import RunConfig
 from trainer.dataplane import ShardedStore
+from trainer.faults import FaultInjectingLoop, fails
 from trainer.metrics import MetricsLogger, Timer, distributed_masked_stats
+from trainer.ref import build_reference
 from trainer.plan import StepPlan, make_step_plan
 from trainer.rollout import RolloutWorker
 from trainer.schema import to_plain
@@ -143,7 +145,8 @@ class GRPOTrainer:
 
         engine_cls = get_engine_class(cfg.actor.backend)
         self.engine = engine_cls(cfg.engine_config(), self.topology)
-        self.ref_engine = engine_cls(cfg.engine_config(), self.topology) if cfg.ref.enabled else None
+        self.ref_engine = build_reference(cfg.actor.backend, engine_cls, cfg.engine_config(), self.topology,
+                                          self.engine) if cfg.ref.enabled else None
 
         self.store = ShardedStore(LocalStore(), device=ctx.device)
         self.bridge = StoreBridge(self.engine, self.store)
@@ -207,8 +210,8 @@ class GRPOTrainer:
             raise FileNotFoundError(f"trainer.resume={mode!r}: checkpoint folder {path} does not exist")
         extra = self.engine.load_checkpoint(str(path))
         self.step = int(extra["step"])
-        if "kl_coef" in extra:
-            self.kl_ctrl.value = float(extra["kl_coef"])
+        if "kl_coef" in extra and isinstance(self.kl_ctrl, AdaptiveKLController):
+            self.kl_ctrl.value = float(extra["kl_coef"])  # the adaptive coefficient is state; a fixed one is config
         if self.ctx.is_main:
             logger.info("resumed from %s at step %d", path, self.step)
 
@@ -227,11 +230,19 @@ class GRPOTrainer:
         mine = [i for i in range(len(rows)) if i % dp == self.dp_rank] if self.reporting else []
         if mine:
             self.rollout.reseed(self.cfg.trainer.seed * 7919 + step * 2 + (partition == VAL), rank=self.dp_rank)
+            frac = self.cfg.debug.inject_rollout_failures if partition == TRAIN else 0.0
+            kwargs = []
+            for i in mine:
+                kw: dict[str, Any] = {}
+                if self.cfg.rollout.agent_loop == "tool":
+                    kw["tools_kwargs"] = (rows[i].get("extra_info") or {}).get("tools_kwargs") or {}
+                if fails(uids[i], frac):
+                    kw["inject_failure"] = True
+                kwargs.append(kw)
+            loop = FaultInjectingLoop(self.agent_loop) if frac > 0 else self.agent_loop
             asyncio.run(run_groups(
                 self.store, [uids[i] for i in mine], [rows[i]["raw_prompt"] for i in mine],
-                self.cfg.rollout.n if partition == TRAIN else 1, self.agent_loop, step, partition, sampling,
-                row_kwargs=[{"tools_kwargs": (rows[i].get("extra_info") or {}).get("tools_kwargs") or {}}
-                            for i in mine] if self.cfg.rollout.agent_loop == "tool" else None))
+                self.cfg.rollout.n if partition == TRAIN else 1, loop, step, partition, sampling, row_kwargs=kwargs))
         self.store.sync()
 
     def _local_keys(self, keys: Sequence[str], partition: str, field: str = "responses") -> list[str]:
@@ -241,7 +252,8 @@ class GRPOTrainer:
         """Rule-based reward of this rank's own trajectories; writes ``rm_scores`` at the last policy token."""
         if not keys:
             return torch.zeros(0)
-        td = self.store.local.kv_batch_get(keys, partition, select_fields=["responses", "response_mask"])
+        td = self.store.local.kv_batch_get(keys, partition, select_fields=["responses", "response_mask"],
+                                           jagged=["responses", "response_mask"])
         tags = self.store.tags_of(keys, partition)
         items = []
         for i, (key, tag) in enumerate(zip(keys, tags)):
@@ -298,6 +310,10 @@ class GRPOTrainer:
             own_pad = torch.tensor([bool(t.get("is_padding")) for t in self.store.tags_of(own, TRAIN)],
                                    dtype=torch.bool)
             m.update(distributed_masked_stats(scores.double(), own_pad, "reward/score"))
+            counts = torch.tensor([float((~own_pad).sum()), float(own_pad.sum())], dtype=torch.float64,
+                                  device=self.ctx.device)
+            dist.all_reduce(counts)
+            m["samples/real"], m["samples/padding"] = float(counts[0]), float(counts[1])
             self.store.sync()
         self._trace("reward", meta, ["rm_scores"], "reward_manager", "advantage")
 
@@ -370,11 +386,12 @@ class GRPOTrainer:
         real = [k for k, t in zip(own, tags) if not t.get("is_padding")]
         pad = [k for k, t in zip(own, tags) if t.get("is_padding")]
         if real:
-            td = self.store.local.kv_batch_get(real, TRAIN, select_fields=["rollout_log_probs"])
+            td = self.store.local.kv_batch_get(real, TRAIN, select_fields=["rollout_log_probs"],
+                                               jagged=["rollout_log_probs"])
             self.store.kv_batch_put(real, TRAIN, TensorDict({"old_log_probs": td["rollout_log_probs"]},
                                                             batch_size=[len(real)]))
         if pad:
-            td = self.store.local.kv_batch_get(pad, TRAIN, select_fields=["response_mask"])
+            td = self.store.local.kv_batch_get(pad, TRAIN, select_fields=["response_mask"], jagged=["response_mask"])
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
             from protocol.nested import to_nested
 
@@ -427,7 +444,7 @@ class GRPOTrainer:
         resp_len = torch.tensor([float(t["response_len"]) for t in tags], dtype=torch.float64)
         out.update(distributed_masked_stats(resp_len, pad, "response_length"))
         if own:
-            td = self.store.local.kv_batch_get(own, TRAIN, select_fields=["response_mask"])
+            td = self.store.local.kv_batch_get(own, TRAIN, select_fields=["response_mask"], jagged=["response_mask"])
             policy_len = torch.tensor([float(r.sum()) for r in td["response_mask"].unbind()], dtype=torch.float64)
         else:
             policy_len = torch.zeros(0, dtype=torch.float64)
@@ -451,7 +468,7 @@ class GRPOTrainer:
         own = [k for k in sel if all(self.store.location(k, f, TRAIN) == self.ctx.rank for f in fields)]
         if not own:
             return
-        td = self.store.local.kv_batch_get(own, TRAIN, select_fields=fields)
+        td = self.store.local.kv_batch_get(own, TRAIN, select_fields=fields, jagged=fields)
         self.trace.record(stage, td, own, self.store.tags_of(own, TRAIN), producer=producer, consumer=consumer)
 
     # ------------------------------------------------------------------------------------------------ validation

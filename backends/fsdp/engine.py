@@ -103,7 +103,8 @@ class FSDPEngine(Engine):
     def _check_topology(self, topology: Any) -> None:
         dp = getattr(topology, "dp_size", None)
         dpr = topology.dp_rank(self.rank) if hasattr(topology, "dp_rank") else None
-        if dp != self._dp_size or dpr != self._dp_rank:
+        rep = topology.is_reporting(self.rank) if hasattr(topology, "is_reporting") else self.sp_rank == 0
+        if dp != self._dp_size or dpr != self._dp_rank or rep != (self.sp_rank == 0):
             raise ValueError(f"topology says dp_size={dp}, dp_rank({self.rank})={dpr}, but the FSDP engine with "
                              f"ulysses_sp={self.sp_size} on {self.world_size} ranks has dp_size={self._dp_size}, "
                              f"dp_rank={self._dp_rank}; build the topology from the same actor.fsdp config")
@@ -212,8 +213,8 @@ class FSDPEngine(Engine):
                 kl = kl_loss(lp_p, ref, mask, lc.kl_loss_type, lc.loss_agg_mode, g_tokens, g_seqs, horizon=horizon)
                 loss = loss + lc.kl_loss_coef * kl
             (loss * self.loss_scale).backward()
-            sums += torch.tensor([float(loss), float(pg), float(m["clipfrac"]), float(m["approx_kl"]),
-                                  float(ent_share), float(kl)], dtype=torch.float64)
+            sums += torch.tensor([float(x.detach()) for x in (loss, pg, m["clipfrac"], m["approx_kl"], ent_share,
+                                                                kl)], dtype=torch.float64)
         self.model.set_requires_gradient_sync(True)
         grad_norm, finite = clip_grad_norm(self.model.parameters(), self.config.optim.clip_grad)
         lr = self.lr_scheduler.get_last_lr()[0]

@@ -50,6 +50,10 @@ class MicroBatch:
     def batch(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def num_samples(self) -> int:
+        return len(self.positions)
+
 
 def share_lengths(data: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(seq_len, response_len)`` int64 ``[n]`` of every sample; checks the fields a share must carry."""
@@ -90,13 +94,15 @@ def make_micro_batch(
     response_fields: tuple[str, ...] = (),
     packed: bool = False,
     pad_multiple: int = 1,
+    pad_to: tuple[int, int] | None = None,
     device: torch.device | str = "cpu",
 ) -> MicroBatch:
     """Build the model inputs of micro-batch ``positions`` of ``data`` (see the module docstring for layouts).
 
     ``response_fields`` (jagged, response_len each, e.g. ``old_log_probs``) are returned right-padded in
     :attr:`MicroBatch.fields` next to ``response_mask``. ``pad_multiple`` rounds the padded / packed length up
-    (context parallel needs 2·cp).
+    (context parallel needs 2·cp). ``pad_to = (b, s)`` pads the padded layout to a fixed shape (extra rows attend
+    to nothing and feed no output), which the interleaved pipeline schedule needs.
     """
     if not positions:
         raise ShareError("a micro-batch must hold at least one sample; got an empty list of positions")
@@ -148,9 +154,15 @@ def make_micro_batch(
     else:
         s_max = max(seq_l)
         s_max = -(-s_max // pad_multiple) * pad_multiple
+        lens = torch.tensor(seq_l)
+        if pad_to is not None:
+            if pad_to[0] < b or pad_to[1] < s_max:
+                raise ShareError(f"pad_to = {pad_to} is smaller than the micro-batch ({b} samples, {s_max} tokens)")
+            ids = ids + [torch.zeros(0, dtype=torch.long)] * (pad_to[0] - b)
+            lens = torch.cat([lens, torch.zeros(pad_to[0] - b, dtype=torch.long)])
+            b, s_max = pad_to
         input_ids = _pad_rows(ids, s_max, torch.long)
         position_ids = torch.arange(s_max).expand(b, s_max).contiguous()
-        lens = torch.tensor(seq_l)
         key_valid = torch.arange(s_max)[None, :] < lens[:, None]  # [b, s]
         causal = torch.ones(s_max, s_max, dtype=torch.bool).tril()
         allowed = causal[None] & key_valid[:, None, :]

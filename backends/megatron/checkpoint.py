@@ -1,12 +1,103 @@
-"""Checkpoints of the megatron engine via megatron-core's distributed checkpointing (written next)."""
+"""Checkpoints of the megatron engine: model and optimizer through megatron-core's distributed checkpointing,
+plus the engine step, every rank's RNG state and the caller's ``extra_state`` in small side files.
+
+Layout of ``path``: the dist-checkpoint files (model chunks ``model`` / ``model0..`` and ``optimizer``),
+``engine_state.pt`` (step, parallel degrees, extra_state; written by global rank 0) and ``rng/rank{r}.pt``.
+The LR schedule is a pure function of the step (:func:`backends.optim.lr_factor`), so restoring the step
+restores it.
+"""
 from __future__ import annotations
 
-__all__ = ["save", "load"]
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CheckpointError", "save", "load"]
+
+_STATE_FILE = "engine_state.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this engine; the message says what differs."""
+
+
+def _model_keys(engine) -> list[str]:
+    return ["model"] if len(engine.chunks) == 1 else [f"model{i}" for i in range(len(engine.chunks))]
+
+
+# optimizer state saved per DP shard (the format that needs no device-side gather); resume needs the same degrees
+_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _sharded_state_dict(engine, is_loading: bool) -> dict[str, Any]:
+    sharded: dict[str, Any] = {}
+    for key, chunk in zip(_model_keys(engine), engine.chunks):
+        sharded[key] = chunk.sharded_state_dict(metadata=dict(_METADATA))
+    sharded["optimizer"] = engine.optimizer.sharded_state_dict(sharded, is_loading=is_loading,
+                                                               metadata=dict(_METADATA))
+    return sharded
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _degrees(engine) -> dict[str, int]:
+    par = engine.config.megatron
+    return {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "cp": par.cp, "ep": par.ep,
+            "world_size": dist.get_world_size()}
 
 
 def save(engine, path: str, extra_state: dict) -> None:
-    raise NotImplementedError
+    """Write model, optimizer, step, RNG and ``extra_state`` of every rank under ``path`` (a directory)."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
+    torch.save(_rng_state(), os.path.join(path, "rng", f"rank{rank}.pt"))
+    if rank == 0:
+        torch.save({"step": engine.step, "degrees": _degrees(engine), "extra_state": dict(extra_state)},
+                   os.path.join(path, _STATE_FILE))
+    dist.barrier()
 
 
 def load(engine, path: str) -> dict:
-    raise NotImplementedError
+    """Restore what :func:`save` wrote into ``engine`` (same parallel degrees); return the saved ``extra_state``."""
+    from megatron.core import dist_checkpointing
+
+    state_file = os.path.join(path, _STATE_FILE)
+    if not os.path.isfile(state_file):
+        raise CheckpointError(f"{path!r} is not a megatron engine checkpoint: {_STATE_FILE} is missing")
+    meta = torch.load(state_file, weights_only=False)
+    if meta["degrees"] != _degrees(engine):
+        raise CheckpointError(f"checkpoint {path!r} was written with parallel degrees {meta['degrees']}, this engine "
+                              f"runs {_degrees(engine)}; load it with the same megatron section and world size")
+    loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
+    for key, chunk in zip(_model_keys(engine), engine.chunks):
+        chunk.load_state_dict(loaded[key], strict=True)
+    engine.optimizer.load_state_dict(loaded["optimizer"])
+    rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
+    if os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    engine.step = int(meta["step"])
+    dist.barrier()
+    return dict(meta["extra_state"])

@@ -307,6 +307,10 @@ class MegatronEngine(Engine):
                              f"megatron.pp = {par.pp}; the share has {n_mb} micro-batches")
         budget = self.config.max_token_len_per_gpu
         seq, _ = share_lengths(share.data)
+        pad_to = None
+        if par.vpp > 1 and not self.packed:  # the interleaved schedule needs one activation shape for all
+            pad_to = (max(len(mb) for mb in share.micro_batches),
+                      max(int(seq[mb].max()) for mb in share.micro_batches if mb))
         out = []
         for k, mb in enumerate(share.micro_batches):
             if budget is not None:
@@ -314,7 +318,8 @@ class MegatronEngine(Engine):
                 if tokens > budget:
                     raise ShareError(f"micro-batch {k} holds {tokens} tokens, over max_token_len_per_gpu = {budget}")
             out.append(make_micro_batch(share.data, mb, response_fields=fields, packed=self.packed,
-                                        pad_multiple=2 * par.cp if par.cp > 1 else 1, device=self.device))
+                                        pad_multiple=2 * par.cp if par.cp > 1 else 1, pad_to=pad_to,
+                                        device=self.device))
         return out
 
     def _token_outputs(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool):
@@ -380,7 +385,7 @@ class MegatronEngine(Engine):
         tokens = seqs = 0.0
         for mb in mbs:
             mask = mb.fields["response_mask"].bool()
-            real = ~mb.is_padding if mb.is_padding is not None else torch.ones(mb.batch, dtype=torch.bool,
+            real = ~mb.is_padding if mb.is_padding is not None else torch.ones(mb.num_samples, dtype=torch.bool,
                                                                                  device=mask.device)
             tokens += float((mask & real[:, None]).sum())
             seqs += float(real.sum())

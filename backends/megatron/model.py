@@ -96,7 +96,9 @@ def transformer_config(model: ModelConfig, par: MegatronConfig, *, dtype: torch.
         # parameters (needed for grad norms and checkpoints) on its initialisation path, so keep it on
         perform_initialization=True,
         moe_token_dispatcher_type="alltoall",  # the only dispatcher that accepts variable sequence lengths
-        variable_seq_lengths=True,  # micro-batches are padded to their own longest sequence
+        # micro-batches are padded to their own longest sequence; the interleaved schedule (VPP) cannot exchange
+        # varying shapes, so there every micro-batch of a call is padded to one shape instead
+        variable_seq_lengths=par.vpp == 1,
         # with virtual pipeline stages over gloo, batched p2p silently gives wrong results
         batch_p2p_comm=not (par.vpp > 1 and not on_gpu),
         calculate_per_token_loss=True,  # the loss function already divides by the step's global counts

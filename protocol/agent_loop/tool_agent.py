@@ -112,7 +112,7 @@ class ToolAgentLoop(AgentLoop):
             if len(resp) >= limit:
                 report["stop_reason"] = "max_response_length"
                 break
-            calls, parse_errors = parse_tool_calls(self.tokenizer.decode(tokens, skip_special=True))
+            calls, parse_errors = parse_tool_calls(self.tokenizer.decode(tokens, skip_special_tokens=True))
             if not calls and not parse_errors:
                 report["stop_reason"] = "no_tool_call"
                 break

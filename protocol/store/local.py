@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
@@ -74,6 +74,8 @@ class LocalStore(KVStore):
         if fields is None and tags is None:
             raise ValueError(f"{op}: give fields, tags, or both (partition {partition_id!r}, {len(keys)} keys)")
         columns = per_key_fields(fields, len(keys))  # copies made outside the lock
+        if not keys:
+            return KVBatchMeta(partition_id, [], [])
         with self._lock:
             self._check_open(op)
             part = self._parts.get(partition_id, {})

@@ -7,12 +7,15 @@ from protocol.tasks.strings import (
     ReverseTask,
     StringTask,
     char_match_score,
+    length_match_score,
     normalize_response,
+    string_score,
 )
 
 __all__ = [
     "Task", "TaskError", "TaskExample", "get_task", "known_tasks", "register_task",
-    "StringTask", "CopyTask", "ReverseTask", "RepeatTask", "char_match_score", "normalize_response",
+    "StringTask", "CopyTask", "ReverseTask", "RepeatTask", "char_match_score", "length_match_score", "string_score",
+    "normalize_response",
     "make_rows", "write_task_data", "score",
 ]
 

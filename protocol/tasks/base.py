@@ -38,6 +38,10 @@ class Task(abc.ABC):
     def score(self, response_text: str, ground_truth: str, extra_info: dict | None = None) -> float:
         """The reward in [0, 1] of a decoded response; 1.0 exactly when the response is the answer."""
 
+    def score_params(self) -> dict[str, Any]:
+        """Parameters the scorer reads back from ``extra_info``, so a row scores the same under any defaults."""
+        return {}
+
     def messages(self, example: TaskExample) -> list[dict[str, str]]:
         """The chat messages (``raw_prompt``) of a problem: a single user turn."""
         return [{"role": "user", "content": example.prompt}]
@@ -48,7 +52,8 @@ class Task(abc.ABC):
         return {
             "raw_prompt": self.messages(ex),
             "data_source": self.name,
-            "extra_info": {"index": int(index), "split": split, "ground_truth": ex.ground_truth, **ex.params},
+            "extra_info": {"index": int(index), "split": split, "ground_truth": ex.ground_truth, **ex.params,
+                           **self.score_params()},
             "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
         }
 

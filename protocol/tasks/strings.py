@@ -1,4 +1,4 @@
-"""String-transformation tasks (copy, reverse, repeat) with a per-character partial-credit reward."""
+"""String-transformation tasks (copy, reverse, repeat) with a partial-credit reward per character and for length."""
 from __future__ import annotations
 
 import random
@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 from protocol.tasks.base import Task, TaskError, TaskExample, register_task
 
-__all__ = ["char_match_score", "normalize_response", "EOS_TEXT", "WRONG_CHAR", "StringTask", "CopyTask", "ReverseTask", "RepeatTask"]
+__all__ = [
+    "EOS_TEXT", "WRONG_CHAR", "normalize_response", "char_match_score", "length_match_score", "string_score",
+    "StringTask", "CopyTask", "ReverseTask", "RepeatTask",
+]
 
 
 EOS_TEXT = "<|eos|>"
@@ -46,6 +49,27 @@ def char_match_score(response: str, target: str) -> float:
     return matches / longest
 
 
+def length_match_score(response: str, target: str) -> float:
+    """``min(len) / max(len)`` of the two strings: 1.0 exactly when the lengths agree (two empty strings: 1.0)."""
+    longest = max(len(response), len(target))
+    return 1.0 if longest == 0 else min(len(response), len(target)) / longest
+
+
+def string_score(response: str, target: str, length_weight: float = 0.5) -> float:
+    """``(1 - w) * char_match_score + w * length_match_score``: in [0, 1], 1.0 exactly when ``response == target``.
+
+    The length term rewards stopping at the right place from the first step (a random policy samples eos early
+    now and then), so the policy learns to end its answer while it learns the characters.
+
+    >>> string_score("bbbbbb", "bbb")
+    0.5
+    """
+    if not 0.0 <= length_weight < 1.0:
+        raise TaskError(f"length_weight must be in [0, 1), got {length_weight!r}")
+    return (1.0 - length_weight) * char_match_score(response, target) + length_weight * length_match_score(
+        response, target)
+
+
 @dataclass
 class StringTask(Task):
     """A random word over ``alphabet`` of ``min_len..max_len`` characters, transformed by ``transform``."""
@@ -54,8 +78,11 @@ class StringTask(Task):
     min_len: int = 3
     max_len: int = 6
     verb: str = "copy"
+    length_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.length_weight < 1.0:
+            raise TaskError(f"{self.name}: length_weight must be in [0, 1), got {self.length_weight!r}")
         if not self.alphabet or len(set(self.alphabet)) != len(self.alphabet):
             raise TaskError(f"{self.name}: alphabet must be non-empty distinct characters, got {self.alphabet!r}")
         bad = [c for c in self.alphabet if c not in string.ascii_letters + string.digits]
@@ -77,7 +104,13 @@ class StringTask(Task):
     def score(self, response_text: str, ground_truth: str, extra_info: dict | None = None) -> float:
         if not isinstance(ground_truth, str):
             raise TaskError(f"{self.name}: ground_truth must be a str, got {type(ground_truth).__name__}")
-        return char_match_score(normalize_response(response_text), ground_truth)
+        weight = self.length_weight
+        if extra_info is not None and extra_info.get("length_weight") is not None:
+            weight = float(extra_info["length_weight"])
+        return string_score(normalize_response(response_text), ground_truth, weight)
+
+    def score_params(self) -> dict:
+        return {"length_weight": float(self.length_weight)}
 
 
 @register_task("copy")

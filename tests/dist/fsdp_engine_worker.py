@@ -427,19 +427,52 @@ def mode_ckpt_load(path: str) -> None:
     say(f"ckpt_reshard_load world={dist.get_world_size()}")
 
 
+def mode_dp1() -> None:
+    """Test 1/2 with a single rank (DP = 1): SGD parity and infer order."""
+    steps = [make_samples(8, 1), make_samples(8, 2)]
+    ec = engine_config(optim="sgd", lr=0.5, clip=1.0)
+    ref_w, ref_hist = reference_steps(steps, ec)
+    eng, hist = run_engine(ec, steps, size=3)
+    check_metrics(hist, ref_hist, "sgd dp=1")
+    d = assert_close_params(eng.get_weights(), ref_w, 1e-5, 1e-6, "sgd dp=1")
+    say(f"sgd_parity dp={eng.dp_size} max_abs_diff={d:.2e}")
+    from dispatch import Topology
+
+    world = dist.get_world_size()
+    topo = Topology.from_config({"backend": "fsdp", "ulysses_sp": 1, "fsdp_size": -1}, world)
+    eng = get_engine_class("fsdp")(ec, topo)
+    assert eng.dp_size == topo.dp_size and eng.dp_rank == topo.dp_rank(dist.get_rank())
+    wrong = Topology.from_config({"backend": "fsdp"}, 2 * world)  # twice the DP size of this world
+    try:
+        get_engine_class("fsdp")(ec, wrong)
+        raise AssertionError("a topology of another layout was accepted")
+    except ValueError as e:
+        assert "dp_size" in str(e)
+    say("topology_agrees")
+
+
+MODES = {"parity": mode_parity, "options": mode_options, "mesh4": mode_mesh4, "dp1": mode_dp1,
+         "ckpt_save": mode_ckpt_save, "ckpt_load": mode_ckpt_load}
+
+
+def run_modes(modes: str, path: str = "") -> None:
+    """Run the comma-separated modes in order in this (already initialised) process group."""
+    for mode in modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; known: {sorted(MODES)}")
+        fn = MODES[mode]
+        fn(path) if mode.startswith("ckpt") else fn()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode")
+    ap.add_argument("modes", help="comma-separated: " + ",".join(MODES))
     ap.add_argument("--path", default="")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
     try:
-        {"parity": mode_parity, "options": mode_options, "mesh4": mode_mesh4}.get(args.mode, lambda: None)()
-        if args.mode == "ckpt_save":
-            mode_ckpt_save(args.path)
-        elif args.mode == "ckpt_load":
-            mode_ckpt_load(args.path)
+        run_modes(args.modes, args.path)
     finally:
         dist.destroy_process_group()
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import protocol.advantage as advantage_module
 from protocol.advantage import (compute_advantage, gae_advantage, get_advantage_fn, grpo_advantage, known_advantages,
-                                masked_whiten, register_advantage, reinforce_pp_advantage,
+                                masked_whiten, register_advantage, session_inputs_from_keys, reinforce_pp_advantage,
                                 reinforce_pp_baseline_advantage, rloo_advantage, trajectory_scores)
 
 
@@ -252,3 +252,33 @@ def test_masked_whiten():
     assert w[0, 2] == 0 and w[1, 1] == 0
     assert (masked_whiten(x, torch.zeros_like(m)) == 0).all()
     assert masked_whiten(x, m, shift_mean=False)[m.bool()].mean().item() == pytest.approx(2.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(1, 6), L=st.integers(1, 6), scale=st.floats(1e-2, 1e3))
+def test_masked_whiten_normalises_masked_values_only(seed, n, L, scale):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, L, generator=g, dtype=torch.float64) * scale
+    m = torch.rand(n, L, generator=g) < 0.6
+    w = masked_whiten(x, m)
+    assert (w[~m] == 0).all()
+    vals, raw = w[m], x[m]
+    if raw.numel() > 1 and raw.std() > 1e-3:
+        assert vals.mean().item() == pytest.approx(0.0, abs=1e-7)
+        assert vals.std().item() == pytest.approx(1.0, rel=1e-4)
+        # an affine change of the inputs does not change the whitened values
+        torch.testing.assert_close(masked_whiten(3 * x + 5, m), w, rtol=1e-6, atol=1e-6)
+
+
+def test_session_inputs_from_keys_drive_multi_output_grpo():
+    keys = ["aa_0_0", "aa_0_1", "aa_1_0", "bb_0_0", "bb_1_0"]
+    kw = session_inputs_from_keys(keys)
+    assert kw["index"] == ["aa", "aa", "aa", "bb", "bb"]
+    assert kw["session_index"] == [("aa", 0), ("aa", 0), ("aa", 1), ("bb", 0), ("bb", 1)]
+    assert kw["is_final_output"] == [False, True, True, True, True]
+    r = torch.tensor([[5.0], [1.0], [0.0], [2.0], [2.0]])
+    adv, _ = compute_advantage("grpo", token_level_rewards=r, response_mask=torch.ones(5, 1), **kw)
+    s = 0.5 / (math.sqrt(0.5) + 1e-6)
+    torch.testing.assert_close(adv.flatten(), torch.tensor([s, s, -s, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="trajectory key"):
+        session_inputs_from_keys(["not-a-key"])

@@ -304,6 +304,14 @@ def test_concat_refusals():
         DataProto.concat([make_batch(2, meta={"t": 1}), d])
     with pytest.raises(DataProtoError, match=r"data\[1\] has no batch"):
         DataProto.concat([make_batch(1), DataProto.from_dict(non_tensors={"uid": ["x"]})])
+    jag = DataProto.from_dict({"x": to_nested([torch.ones(2)])})
+    with pytest.raises(BatchSizeMismatchError, match=r"'x' is dense float32 \[n, 2\] in data\[1\] but jagged"):
+        DataProto.concat([jag, DataProto.from_dict({"x": torch.ones(1, 2)})])
+    with pytest.raises(BatchSizeMismatchError, match=r"'x' is jagged int64 \[n, j\] in data\[1\]"):
+        DataProto.concat([jag, DataProto.from_dict({"x": to_nested([torch.ones(2, dtype=torch.int64)])})])
+    with pytest.raises(BatchSizeMismatchError, match=r"'x' is dense float32 \[n, 3\] in data\[1\] but dense "
+                                                     r"float32 \[n, 2\]"):
+        DataProto.concat([DataProto.from_dict({"x": torch.ones(1, 2)}), DataProto.from_dict({"x": torch.ones(1, 3)})])
     e = make_batch(1)
     e.meta_info["metrics"] = [1]
     with pytest.raises(TypeError, match="metrics"):
@@ -593,3 +601,23 @@ def test_collate_refusals():
     other.batch.pop("prompts")
     with pytest.raises(KeyError, match="item 1 has batch keys"):
         collate_fn([data[0], other[0]])
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import protocol.dataproto as dataproto_mod
+
+    result = doctest.testmod(dataproto_mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_batch_round_trips():
+    data = make_batch(4).to("cuda")
+    assert data.batch["responses"].device.type == "cuda"
+    assert data.__getstate__()["batch"][0] == "consolidated-tensordict"  # accelerator buffers use torch's pickling
+    back = pickle.loads(pickle.dumps(data))
+    assert back.batch["responses"].device.type == "cuda"
+    assert_same(back.to("cpu"), data.to("cpu"))
+    assert_same(DataProto.concat(data.chunk(2)).to("cpu"), data.to("cpu"))

@@ -250,3 +250,18 @@ def test_adapter_errors():
         check_invariants(td, keys=keys * 2, tags=tags * 2)
     v = check_invariants(td.clone().set("reward_score", torch.zeros(1, 2)), keys=keys, tags=tags)
     assert ("<batch>", "reward_score", "length") in _triples(v)
+
+
+def test_docstring_examples_of_algorithm_modules_run():
+    """The runnable examples in the module docstrings of the algorithm modules stay true."""
+    import doctest
+
+    import protocol.advantage
+    import protocol.invariants
+    import protocol.kl
+    import protocol.losses
+    import protocol.reward
+
+    for mod in (protocol.advantage, protocol.invariants, protocol.kl, protocol.losses, protocol.reward):
+        result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0 and result.attempted > 0, mod.__name__

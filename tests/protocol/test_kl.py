@@ -67,7 +67,7 @@ def test_controllers():
     assert a.value == pytest.approx(0.1 * 1.02)
     a.update(0.25, 10)  # err = -0.5 -> -0.2 -> *0.98
     assert a.value == pytest.approx(0.1 * 1.02 * 0.98)
-    a.update(0.5, 1000)  # on target: unchanged
+    a.update(0.5, 10)  # on target: unchanged
     assert a.value == pytest.approx(0.1 * 1.02 * 0.98)
     assert isinstance(make_kl_controller("fixed", 0.2), FixedKLController)
     assert make_kl_controller("adaptive", 0.2, 1.0, 10).value == 0.2
@@ -103,3 +103,20 @@ def test_apply_kl_penalty():
     torch.testing.assert_close(same, scores)
     with pytest.raises(ValueError, match="same"):
         apply_kl_penalty(scores[:, :2], old, ref, mask, fixed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(init=st.floats(0.0, 1.0), target=st.floats(1e-3, 10.0), horizon=st.floats(1.0, 1e5),
+       kls=st.lists(st.tuples(st.floats(0.0, 100.0), st.integers(0, 512)), max_size=6))
+def test_adaptive_controller_formula(init, target, horizon, kls):
+    ctrl = AdaptiveKLController(init, target, horizon)
+    expect = init
+    for kl, steps in kls:
+        if 0.2 * steps >= horizon:
+            with pytest.raises(ValueError, match="kl_ctrl.horizon"):
+                ctrl.update(kl, steps)
+            continue
+        ctrl.update(kl, steps)
+        expect *= 1 + min(max(kl / target - 1, -0.2), 0.2) * steps / horizon
+    assert ctrl.value == pytest.approx(expect)
+    assert ctrl.value >= 0

@@ -203,6 +203,8 @@ def test_entropy_bonus_and_kl_loss():
     assert kl_loss(lp.detach(), ref, mask, "k3", "token-mean", 3, 2).item() == pytest.approx(direct.item())
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_dp_training_with_global_counts_matches_full_batch(torchrun):
     """Real gloo DDP over 2 ranks x 3 micro-batches: same loss and gradients as the single-process step."""
     out = torchrun("protocol_losses_worker.py", 2)

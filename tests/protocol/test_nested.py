@@ -310,3 +310,25 @@ def test_response_values_from_packed_refusals():
         response_values_from_packed(torch.zeros(5), torch.tensor([0, 4, 3, 5]), torch.tensor([1, 0, 1]))
     with pytest.raises(TypeError, match="jagged"):
         response_values_to_packed(torch.zeros(2, 2), cu)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import protocol.nested as nested_mod
+    import protocol.serialize as serialize_mod
+
+    for mod in (nested_mod, serialize_mod):
+        result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted > 0 and result.failed == 0, mod.__name__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_conversions_on_cuda():
+    nt = to_nested([torch.arange(3, device="cuda"), torch.zeros(0, dtype=torch.int64, device="cuda")])
+    assert nt.device.type == "cuda" and nested_lengths(nt).tolist() == [3, 0]
+    packed = pack_nested(nt)
+    padded, mask = packed_to_padded(packed.values, packed.cu_seqlens, side="left")
+    assert padded.device.type == "cuda" and padded.tolist() == [[0, 1, 2], [0, 0, 0]] and mask.sum() == 3
+    got = response_values_from_packed(torch.arange(3.0, device="cuda"), packed.cu_seqlens, torch.tensor([2, 0]))
+    assert got.device.type == "cuda" and nested_values(got).tolist() == [0.0, 1.0]

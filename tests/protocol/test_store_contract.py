@@ -155,6 +155,7 @@ def test_empty_key_list(store, pid):
     assert len(store.kv_batch_put([], pid, tags=[])) == 0
     assert store.kv_batch_get([], pid).batch_size == torch.Size([0])
     assert store.kv_clear([], pid) == 0
+    assert pid not in store.kv_list() and store.kv_list(pid) == {pid: {}}
 
 
 # ---- tags --------------------------------------------------------------------------------------------
@@ -556,4 +557,25 @@ def test_tq_clear_marks_seen_by_another_instance_and_process(tq_store, pid):
 
     assert ray.get(late_writer.remote(f"{uid}_1_0", pid), timeout=120) == "refused"
     assert ray.get(late_writer.remote(f"{_uid()}_0_0", pid), timeout=120) == "written"
-    assert pid not in {p for p in tq_store.kv_list() if p.startswith(MARKS_PREFIX)}
+    assert uid in tq_store._tq.kv_list(MARKS_PREFIX + pid)[MARKS_PREFIX + pid]  # the mark is in the queue ...
+    assert not [p for p in tq_store.kv_list() if p.startswith(MARKS_PREFIX)]  # ... and hidden from kv_list()
+
+
+@pytest.mark.slow
+def test_tq_marks_bounded_per_instance(tq_store, pid):
+    from protocol.store import TransferQueueStore
+    from protocol.store.tq import MARKS_PREFIX
+
+    small = TransferQueueStore(max_cleared_marks=3)
+    try:
+        keys = [_uid() for _ in range(5)]
+        small.kv_batch_put(keys, pid, tags=[{}] * 5)
+        small.kv_clear(keys, pid)
+        marks = small._tq.kv_list(MARKS_PREFIX + pid).get(MARKS_PREFIX + pid, {})
+        assert set(marks) == set(keys[2:])
+        small.kv_put(keys[0], pid, tag={"again": True})  # its mark was forgotten
+        with pytest.raises(LateWriteError):
+            small.kv_put(keys[4], pid, tag={})
+        small.kv_clear([keys[0]], pid, mark_cleared=False)
+    finally:
+        small.close()

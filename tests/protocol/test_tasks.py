@@ -11,6 +11,7 @@ from protocol.tasks import (
     CopyTask, RepeatTask, ReverseTask, TaskError, char_match_score, get_task, known_tasks, make_rows,
     normalize_response, register_task, score, write_task_data,
 )
+from protocol.tasks.strings import length_match_score, string_score
 from protocol.tokenizer import CharTokenizer
 
 words = st.text(alphabet="abcdxyz", max_size=12)
@@ -26,12 +27,27 @@ def test_char_match_score_formula(r, t):
     assert (s == 1.0) == (r == t)
 
 
+@settings(max_examples=200, deadline=None)
+@given(r=words, t=words, w=st.floats(0.0, 0.99))
+def test_string_score_formula(r, t, w):
+    longest = max(len(r), len(t))
+    length = 1.0 if longest == 0 else min(len(r), len(t)) / longest
+    assert length_match_score(r, t) == pytest.approx(length)
+    s = string_score(r, t, w)
+    assert s == pytest.approx((1 - w) * char_match_score(r, t) + w * length)
+    assert 0.0 <= s <= 1.0 and (s == pytest.approx(1.0)) == (r == t)
+    assert get_task("copy", length_weight=w).score(r, t) == pytest.approx(s)
+    assert get_task("copy").score(r, t, {"length_weight": w}) == pytest.approx(s)  # the row's weight wins
+
+
 @settings(max_examples=100, deadline=None)
 @given(t=st.text(alphabet="abcd", min_size=1, max_size=8), extra=st.text(alphabet="abcd", min_size=1, max_size=4))
 def test_extra_or_missing_characters_lower_the_score(t, extra):
-    assert char_match_score(t + extra, t) < 1.0
-    assert char_match_score(t[:-1], t) < 1.0
-    assert char_match_score(t, t) == 1.0
+    for fn in (char_match_score, string_score):
+        assert fn(t + extra, t) < 1.0
+        assert fn(t[:-1], t) < 1.0
+        assert fn(t, t) == 1.0
+    assert string_score(t + extra, t) > string_score(t + extra + extra, t)  # stopping earlier is better
 
 
 def test_known_tasks_and_transforms():
@@ -53,7 +69,7 @@ def test_known_tasks_and_transforms():
 def test_score_dispatches_by_data_source_and_counts_every_character():
     assert score("copy", "abc", "abc") == 1.0
     assert score("copy", "abc ", "abc") == 0.75  # filler whitespace is not free
-    assert score("reverse", "abd", "abc") == pytest.approx(2 / 3)
+    assert score("reverse", "abd", "abc") == pytest.approx(0.5 * 2 / 3 + 0.5)
     assert normalize_response("\tab ") == "\tab "
 
 
@@ -65,7 +81,7 @@ def test_special_tokens_cannot_hide_filler():
     assert score("repeat", tok.decode(tok.encode("ccc"), skip_special=False), "ccc") == 1.0  # cut at max_tokens
     hidden = tok.decode([tok.encode("c")[0], pad, tok.encode("c")[0], 120, tok.encode("c")[0]], skip_special=False)
     assert normalize_response(hidden) == "c\ufffdc\ufffdc"
-    assert score("repeat", hidden, "ccc") == pytest.approx(2 / 5)
+    assert score("repeat", hidden, "ccc") == pytest.approx(0.5 * 2 / 5 + 0.5 * 3 / 5)
     assert score("repeat", "ccc<|eos|><|eos|>", "ccc") == 0.75
     with pytest.raises(TaskError, match="response_text must be a str"):
         normalize_response(None)
@@ -93,6 +109,10 @@ def test_bad_task_names_and_parameters():
         get_task("copy", colour="red")
     with pytest.raises(TaskError, match="already registered"):
         register_task("copy")(CopyTask)
+    with pytest.raises(TaskError, match="length_weight must be in"):
+        get_task("copy", length_weight=1.0)
+    with pytest.raises(TaskError, match="length_weight must be in"):
+        string_score("a", "b", -0.1)
     with pytest.raises(TaskError, match="n must be >= 0"):
         get_task("copy").warmup_pairs(-1, 0)
 
@@ -107,6 +127,7 @@ def test_rows_are_seeded_and_splits_independent():
     assert row["data_source"] == "copy"
     assert row["raw_prompt"] == [{"role": "user", "content": f"copy: {row['extra_info']['word']}"}]
     assert row["extra_info"]["index"] == 0 and row["extra_info"]["split"] == "train"
+    assert row["extra_info"]["length_weight"] == 0.5
     assert row["extra_info"]["ground_truth"] == row["reward_model"]["ground_truth"]
     assert [r["extra_info"]["index"] for r in a] == list(range(30))
     with pytest.raises(TaskError, match="integer >= 0"):

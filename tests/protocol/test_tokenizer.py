@@ -46,6 +46,7 @@ def test_decode_specials_and_errors():
     assert TOK.decode(ids) == "a"
     assert TOK.decode(ids, skip_special=False) == "<|bos|><|user|>a<|eos|><|reserved_120|><|pad|>"
     assert TOK.decode(torch.tensor(ids)) == "a"
+    assert TOK.decode(ids, skip_special_tokens=False) == TOK.decode(ids, skip_special=False)
     with pytest.raises(TokenIdError, match="128"):
         TOK.decode([128])
     with pytest.raises(TokenIdError, match="-1"):
