@@ -48,10 +48,13 @@ class PolicyLossConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    horizon: int | None = None  # fixed token horizon of seq-mean-token-sum-norm (normally the max response length)
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"actor.loss.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        if self.horizon is not None and self.horizon <= 0:
+            raise ValueError(f"actor.loss.horizon must be a positive integer, got {self.horizon}")
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"actor.loss.clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
 

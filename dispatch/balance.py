@@ -105,7 +105,7 @@ def contiguous_partitions(n: int, num_parts: int) -> list[list[int]]:
 def greedy_partitions(workloads: Sequence[float] | np.ndarray, num_parts: int) -> list[list[int]]:
     """Greedy with a cardinality cap: heaviest first, each item to the lightest part that still has room.
 
-    With many items per part (>= 64) it hands out whole rounds of ``k`` items at once (the round's heaviest
+    With many parts (>= 32) holding many items (>= 64) each, it hands out whole rounds of ``k`` items at once (the round's heaviest
     item to the lightest part), which is the same rule applied round by round and much faster.
     """
     w = _as_weights(workloads, num_parts)
@@ -114,7 +114,7 @@ def greedy_partitions(workloads: Sequence[float] | np.ndarray, num_parts: int) -
     if m == 0:
         return [[] for _ in range(k)]
     order = np.argsort(-w, kind="stable")
-    if m >= 64:
+    if m >= 64 and k >= 32:
         loads = np.zeros(k)
         assign = np.empty(w.size, dtype=np.int64)
         for start in range(0, w.size, k):
@@ -168,16 +168,32 @@ def karmarkar_karp(workloads: Sequence[float] | np.ndarray, num_parts: int) -> l
 
 def _kk_small(w: list[float], order: list[int], k: int) -> list[list[int]]:
     """The same method on plain lists: faster when each partial solution has only a few sets."""
-    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    heap: list[tuple[float, int, list[float], list]] = []
     for c, start in enumerate(range(0, len(order), k)):
-        sets = sorted(((w[i], [i]) for i in order[start:start + k]), key=lambda x: x[0])
-        heapq.heappush(heap, (-(sets[-1][0] - sets[0][0]), c, sets))
+        chunk = order[start:start + k]  # ascending weights
+        heapq.heappush(heap, (-(w[chunk[-1]] - w[chunk[0]]), c, [w[i] for i in chunk], [[i] for i in chunk]))
     tick = len(heap)
     while len(heap) > 1:
-        _, _, a, _b = heapq.heappop(heap)[0], None, heapq.heappop(heap)[2], None
-        _, _, b = heapq.heappop(heap) if False else (None, None, _b)
-        raise AssertionError  # placeholder, replaced below
-    return [sorted(s[1]) for s in heap[0][2]]
+        _, _, s1, m1 = heapq.heappop(heap)
+        _, _, s2, m2 = heapq.heappop(heap)
+        o1 = sorted(range(k), key=lambda j: -s1[j])  # heaviest set of one solution ...
+        o2 = sorted(range(k), key=lambda j: s2[j])  # ... joins the lightest set of the other
+        sums = [s1[x] + s2[y] for x, y in zip(o1, o2)]
+        members = [(m1[x], m2[y]) for x, y in zip(o1, o2)]  # a tree of joins, flattened once at the end
+        heapq.heappush(heap, (-(max(sums) - min(sums)), tick, sums, members))
+        tick += 1
+    return [sorted(_flatten(m)) for m in heap[0][3]]
+
+
+def _flatten(tree) -> list[int]:
+    out, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, tuple):
+            stack.extend(node)
+        else:
+            out.extend(node)
+    return out
 
 
 _BRUTE_ELEMS = 1 << 16  # (parts x m x m) exchange candidates evaluated at once for small parts
@@ -188,7 +204,8 @@ def _best_swap(wt: np.ndarray, loads: np.ndarray, h: int, eps: float):
     """The 1-for-1 exchange (o, a, b, delta) between part h and the lightest possible part that lowers their max."""
     k, m = wt.shape
     wh = wt[h]
-    order = [o for o in np.argsort(loads, kind="stable").tolist() if o != h and loads[h] - loads[o] > eps]
+    order = np.argsort(loads, kind="stable")
+    order = order[(order != h) & (loads[h] - loads[order] > eps)].tolist()
     if m >= 32:  # many items: binary search per partner part (rows are sorted)
         for o in order:
             gap = loads[h] - loads[o]
@@ -247,9 +264,10 @@ def _best_pair_split(wt: np.ndarray, idx: np.ndarray, loads: np.ndarray, h: int,
 
 
 def refine_partitions(workloads: Sequence[float] | np.ndarray, parts: Sequence[Sequence[int]],
-                      max_swaps: int | None = None) -> list[list[int]]:
+                      max_swaps: int | None = None, tolerance: float = 1e-6) -> list[list[int]]:
     """Local search: lower the heaviest part by 1-for-1 exchanges (or, for parts of <= 8 items, an exact two-part
-    re-split) with lighter parts, until nothing lowers it or it meets :func:`lower_bound`.
+    re-split) with lighter parts, until nothing lowers it or it is within ``tolerance`` (relative) of
+    :func:`lower_bound`.
 
     ``parts`` must be equal-sized and cover ``range(n)``; sizes never change and the maximum load never rises.
     """
@@ -271,7 +289,7 @@ def refine_partitions(workloads: Sequence[float] | np.ndarray, parts: Sequence[S
     loads = wt.sum(axis=1)
     limit = max_swaps if max_swaps is not None else 8 * w.size + 16
     eps = 1e-12 * max(float(loads.max()), 1.0)
-    floor = lower_bound(w, k) + eps
+    floor = lower_bound(w, k) * (1.0 + tolerance) + eps
     for _ in range(limit):
         h = int(np.argmax(loads))
         if loads[h] <= floor:

@@ -1,1 +1,49 @@
-"""Backend-independent protocol: what a trajectory is and how it is born, stored, scored and cleared."""
+"""Backend-independent protocol: what a trajectory is and how it is born, stored, scored and cleared.
+
+The names below are the package's stable surface, e.g. ``from protocol import DataProto, KVBatchMeta, LocalStore``.
+``TransferQueueStore`` is resolved lazily, so ``import protocol`` never imports Ray.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.dataproto import (
+    DataProto, DataProtoItem, collate_fn, deserialize_tensordict, pad_dataproto_to_divisor, serialize_tensordict,
+    union_numpy_dict, union_tensor_dict, unpad_dataproto,
+)
+from protocol.keys import (
+    PromptStatus, group_of, new_uid, parse_trajectory_key, prompt_tag, trajectory_key, trajectory_tag, transition,
+)
+from protocol.meta import KVBatchMeta
+from protocol.nested import (
+    PackedBatch, nested_lengths, nested_offsets, nested_values, pack_nested, packed_to_padded, padded_to_packed,
+    response_from_nested, response_to_nested, response_values_from_packed, response_values_to_packed, to_nested,
+    unpack_to_nested,
+)
+from protocol.store import (
+    FieldOverwriteError, FieldShapeError, KVStore, LateWriteError, LocalStore, StoreClosedError, StoreKeyError,
+)
+
+__all__ = [
+    # batches
+    "DataProto", "DataProtoItem", "collate_fn", "pad_dataproto_to_divisor", "unpad_dataproto", "union_tensor_dict",
+    "union_numpy_dict", "serialize_tensordict", "deserialize_tensordict",
+    # nested <-> padded
+    "to_nested", "nested_lengths", "nested_offsets", "nested_values", "response_to_nested", "response_from_nested",
+    "PackedBatch", "pack_nested", "unpack_to_nested", "padded_to_packed", "packed_to_padded",
+    "response_values_from_packed", "response_values_to_packed",
+    # store
+    "KVBatchMeta", "KVStore", "LocalStore", "TransferQueueStore", "StoreKeyError", "FieldOverwriteError",
+    "LateWriteError", "FieldShapeError", "StoreClosedError",
+    # keys and states
+    "PromptStatus", "new_uid", "trajectory_key", "parse_trajectory_key", "group_of", "transition", "prompt_tag",
+    "trajectory_tag",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TransferQueueStore":
+        from protocol.store.tq import TransferQueueStore
+
+        return TransferQueueStore
+    raise AttributeError(f"module 'protocol' has no attribute {name!r}")

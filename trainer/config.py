@@ -1,6 +1,7 @@
 """The run's typed configuration: YAML + dot-list overrides, validated once at start-up."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -133,8 +134,11 @@ class RunConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine's view of this run."""
+        loss = self.actor.loss
+        if loss.horizon is None:  # seq-mean-token-sum-norm divides by a fixed horizon: the longest response
+            loss = dataclasses.replace(loss, horizon=self.data.max_response_length)
         return EngineConfig(
-            model=self.model, optim=self.actor.optim, loss=self.actor.loss, fsdp=self.actor.fsdp,
+            model=self.model, optim=self.actor.optim, loss=loss, fsdp=self.actor.fsdp,
             megatron=self.actor.megatron, seed=self.trainer.seed,
             max_token_len_per_gpu=self.actor.max_token_len_per_gpu if self.actor.use_dynamic_bsz else None,
         )
@@ -185,6 +189,14 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"data.train_batch_size ({d.train_batch_size}) must be a multiple of actor.ppo_mini_batch_size "
             f"({a.ppo_mini_batch_size}) prompts: each step makes train_batch_size / ppo_mini_batch_size optimizer steps"
         )
+    from protocol.advantage import known_advantages
+
+    critic_free = [n for n in known_advantages() if n != "gae"]
+    if cfg.algorithm.adv_estimator not in critic_free:
+        hint = " (gae needs a critic's values, which this trainer does not run)" \
+            if cfg.algorithm.adv_estimator == "gae" else ""
+        raise ConfigError(f"algorithm.adv_estimator must be one of {critic_free}, got "
+                          f"{cfg.algorithm.adv_estimator!r}{hint}")
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:

@@ -10,6 +10,7 @@ move point to point through :class:`trainer.dataplane.ShardedStore`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from tensordict import TensorDict
 
 from backends.base import get_engine_class
 from dispatch import Topology
-from protocol.advantage import compute_advantage
+from protocol.advantage import compute_advantage, get_advantage_fn, session_inputs_from_keys
 from protocol.agent_loop import build_agent_loop, run_groups
 from protocol.dataset import RLHFDataset
 from protocol.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
@@ -423,10 +424,13 @@ class GRPOTrainer:
             else:
                 rewards = scores
             index = [k.split("_", 1)[0] for k in own]
-            kwargs = dict(token_level_rewards=rewards, response_mask=mask, index=index, is_padding=pad)
-            if cfg.algorithm.adv_estimator in ("grpo",):
-                kwargs["norm_adv_by_std"] = cfg.algorithm.norm_adv_by_std
-            adv, ret = compute_advantage(cfg.algorithm.adv_estimator, **kwargs)
+            kwargs = dict(token_level_rewards=rewards, response_mask=mask, index=index, is_padding=pad,
+                          norm_adv_by_std=cfg.algorithm.norm_adv_by_std, gamma=cfg.algorithm.gamma,
+                          lam=cfg.algorithm.lam)
+            kwargs.update(session_inputs_from_keys(own))  # multi-output sessions: advantage of the final output
+            takes = inspect.signature(get_advantage_fn(cfg.algorithm.adv_estimator)).parameters
+            adv, ret = compute_advantage(cfg.algorithm.adv_estimator,
+                                         **{k: v for k, v in kwargs.items() if k in takes})
             fields = {"token_level_scores": response_to_nested(scores, lengths),
                       "token_level_rewards": response_to_nested(rewards, lengths),
                       "advantages": response_to_nested(adv.float(), lengths),

@@ -46,3 +46,13 @@ def test_bad_configs_name_the_key(overrides, expected):
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "absent.yaml")
+
+
+def test_estimator_and_horizon():
+    with pytest.raises(ConfigError, match="gae needs a critic"):
+        load_config(REPO_CONFIG, ["algorithm.adv_estimator=gae"])
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator must be one of"):
+        load_config(REPO_CONFIG, ["algorithm.adv_estimator=ppo2"])
+    cfg = load_config(REPO_CONFIG, ["algorithm.adv_estimator=rloo", "data.max_response_length=12"])
+    assert cfg.engine_config().loss.horizon == 12  # seq-mean-token-sum-norm's fixed horizon
+    assert load_config(REPO_CONFIG, ["actor.loss.horizon=7"]).engine_config().loss.horizon == 7
