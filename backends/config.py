@@ -22,7 +22,7 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 0
     lr_schedule: str = "constant"
-    total_steps: int = 1000
+    total_steps: int | None = None  # optimizer steps of the whole run (cosine decay length); None = the trainer's
     min_lr_ratio: float = 0.0
     clip_grad: float = 1.0
 

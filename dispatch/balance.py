@@ -148,6 +148,11 @@ def karmarkar_karp(workloads: Sequence[float] | np.ndarray, num_parts: int) -> l
     order = np.argsort(w, kind="stable")
     if k <= 16:
         return _kk_small(w.tolist(), order.tolist(), k)
+    return _kk_arrays(w, order, k)
+
+
+def _kk_arrays(w: np.ndarray, order: np.ndarray, k: int) -> list[list[int]]:
+    """Karmarkar–Karp on numpy arrays: faster when each partial solution has many sets."""
     heap: list[tuple[float, int, np.ndarray, np.ndarray]] = []
     for c, start in enumerate(range(0, w.size, k)):
         chunk = order[start:start + k]

@@ -37,7 +37,7 @@ PRESETS = {
                  budget=2048, micro=8),
     "0.5b": dict(model=ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                                    num_heads=14, num_kv_heads=2, tie_word_embeddings=True, rope_theta=1e6),
-                 samples=128, prompt=(64, 1024), response=(32, 3072), budget=16384, micro=8),
+                 samples=128, prompt=(64, 1024), response=(32, 3072), budget=16384, micro=4),
 }
 
 
@@ -133,7 +133,7 @@ def main() -> None:
     cfg = preset["model"]
     ec = EngineConfig(model=cfg, optim=OptimConfig(name="adamw", lr=1e-6), loss=PolicyLossConfig(),
                       fsdp=FSDPConfig(activation_checkpointing=args.activation_checkpointing), seed=0,
-                      max_token_len_per_gpu=preset["budget"])
+                      max_token_len_per_gpu=None)  # the padded run's micro-batches are fixed-count, not budgeted
     engine = get_engine_class("fsdp")(ec, None)
     n_params = sum(p.numel() for p in engine.model.parameters())
     n = args.samples or preset["samples"]

@@ -22,6 +22,7 @@ class DataConfig:
     val_size: int = 64
     tokenizer: str = "char"
     max_prompt_length: int = 64
+    filter_overlong_prompts: bool = True  # false: an over-long prompt is an error instead of being dropped
     max_response_length: int = 16
     train_batch_size: int = 8  # prompts per step
     val_batch_size: int = 16
@@ -137,8 +138,12 @@ class RunConfig:
         loss = self.actor.loss
         if loss.horizon is None:  # seq-mean-token-sum-norm divides by a fixed horizon: the longest response
             loss = dataclasses.replace(loss, horizon=self.data.max_response_length)
+        optim = self.actor.optim
+        if optim.total_steps is None:  # every step makes train_batch_size / ppo_mini_batch_size updates per epoch
+            per_step = self.data.train_batch_size // self.actor.ppo_mini_batch_size * self.actor.ppo_epochs
+            optim = dataclasses.replace(optim, total_steps=self.trainer.total_steps * per_step)
         return EngineConfig(
-            model=self.model, optim=self.actor.optim, loss=loss, fsdp=self.actor.fsdp,
+            model=self.model, optim=optim, loss=loss, fsdp=self.actor.fsdp,
             megatron=self.actor.megatron, seed=self.trainer.seed,
             max_token_len_per_gpu=self.actor.max_token_len_per_gpu if self.actor.use_dynamic_bsz else None,
         )

@@ -28,8 +28,9 @@ from tensordict import TensorDict
 from backends.base import get_engine_class
 from dispatch import Topology
 from protocol.advantage import compute_advantage, get_advantage_fn, session_inputs_from_keys
-from protocol.agent_loop import build_agent_loop, run_groups
+from protocol.agent_loop import build_agent_loop, builtin_tools, run_groups
 from protocol.dataset import RLHFDataset
+from protocol.invariants import assert_invariants
 from protocol.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from protocol.meta import KVBatchMeta
 from protocol.nested import response_from_nested, response_to_nested, nested_lengths
@@ -141,8 +142,11 @@ class GRPOTrainer:
         self.reporting = self.topology.is_reporting(ctx.rank)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self._ensure_data()
-        self.train_set = RLHFDataset(cfg.data.train_files, self.tokenizer, cfg.data.max_prompt_length)
-        self.val_set = RLHFDataset(cfg.data.val_files, self.tokenizer, cfg.data.max_prompt_length)
+        d = cfg.data
+        self.train_set = RLHFDataset(d.train_files, self.tokenizer, d.max_prompt_length,
+                                     filter_overlong_prompts=d.filter_overlong_prompts)
+        self.val_set = RLHFDataset(d.val_files, self.tokenizer, d.max_prompt_length,
+                                   filter_overlong_prompts=d.filter_overlong_prompts)
 
         engine_cls = get_engine_class(cfg.actor.backend)
         self.engine = engine_cls(cfg.engine_config(), self.topology)
@@ -158,8 +162,10 @@ class GRPOTrainer:
                                    failure_policy=cfg.replay.failure_policy)
         self.rollout = RolloutWorker(cfg.model, self.tokenizer, device=ctx.device, seed=cfg.trainer.seed,
                                      rank=self.dp_rank)
+        loop_kwargs = {"max_turns": cfg.rollout.max_turns, "tools": builtin_tools()} \
+            if cfg.rollout.agent_loop == "tool" else {}
         self.agent_loop = build_agent_loop(cfg.rollout.agent_loop, self.rollout.agenerate, tokenizer=self.tokenizer,
-                                           max_response_length=cfg.data.max_response_length)
+                                           max_response_length=cfg.data.max_response_length, **loop_kwargs)
         self.reward_manager = make_reward_manager("naive", decode=self.tokenizer.decode)
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = FixedKLController(kc.kl_coef) if kc.type == "fixed" else \
@@ -339,6 +345,8 @@ class GRPOTrainer:
             m.update(self._advantage(full, own))
             self.store.sync()
         self._trace("advantage", meta, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
+        if cfg.debug.check_invariants:
+            self._check_invariants(own)
 
         with Timer("update", times):
             updates = []
@@ -365,6 +373,15 @@ class GRPOTrainer:
         m["perf/tokens_per_s"] = tokens / max(times["timing_s/step"], 1e-9)
         m.update(self._bytes_metrics())
         return m
+
+    def _check_invariants(self, own: list[str]) -> None:
+        """debug.check_invariants: the field invariants of this rank's trajectories once every field is written."""
+        if not own:
+            return
+        fields = ["prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask", "rm_scores",
+                  "advantages", "returns"]
+        td = self.store.local.kv_batch_get(own, TRAIN, select_fields=fields, jagged=fields)
+        assert_invariants(td, keys=own, tags=self.store.tags_of(own, TRAIN))
 
     def _check_same_everywhere(self, items: Sequence[str], what: str) -> None:
         """Every rank must plan from the same ordered keys; a divergence would silently train on wrong shares."""

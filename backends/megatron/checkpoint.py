@@ -64,10 +64,22 @@ def _degrees(engine) -> dict[str, int]:
             "world_size": dist.get_world_size()}
 
 
+def _in_process_results_queue() -> None:
+    """Collect writer results in a plain queue: saves here are synchronous, and the default (a queue served by a
+    spawned manager process) re-imports the launching script in that process, which hangs under torchrun."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save(engine, path: str, extra_state: dict) -> None:
     """Write model, optimizer, step, RNG and ``extra_state`` of every rank under ``path`` (a directory)."""
     from megatron.core import dist_checkpointing
 
+    _in_process_results_queue()
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
@@ -91,6 +103,10 @@ def load(engine, path: str) -> dict:
     if meta["degrees"] != _degrees(engine):
         raise CheckpointError(f"checkpoint {path!r} was written with parallel degrees {meta['degrees']}, this engine "
                               f"runs {_degrees(engine)}; load it with the same megatron section and world size")
+    for opt in engine._sub_optimizers:
+        # a fresh distributed optimizer has no Adam state to load into; create it (overwritten by the load)
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
     loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
     for key, chunk in zip(_model_keys(engine), engine.chunks):
         chunk.load_state_dict(loaded[key], strict=True)

@@ -128,3 +128,24 @@ def test_edges_and_examples():
     parts = balance_partitions([9, 1, 8, 2, 7, 3], 2)
     assert sorted(partition_loads([9, 1, 8, 2, 7, 3], parts)) == [14.0, 16.0]  # optimum (15 is unreachable)
     assert balance_partitions(np.array([3.0, 3.0, 1.0, 1.0]), 2) in ([[0, 2], [1, 3]], [[0, 3], [1, 2]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 24), st.integers(1, 9), st.integers(0, 10_000))
+def test_both_karmarkar_karp_implementations_agree(k, m, seed):
+    from dispatch.balance import _kk_arrays, _kk_small
+
+    w = WorkloadModel.from_hidden_size(64)(np.random.default_rng(seed).integers(1, 500, k * m))
+    order = np.argsort(w, kind="stable")
+    a, b = _kk_small(w.tolist(), order.tolist(), k), _kk_arrays(w, order, k)
+    assert sorted(map(sorted, a)) == sorted(map(sorted, b))
+    assert sorted(i for p in a for i in p) == list(range(k * m))
+
+
+def test_exact_pair_resplit_escapes_swap_local_optima():
+    # parts of 2: no 1-for-1 exchange lowers part 0, but re-splitting parts 0 and 1 reaches the optimum 10
+    w = [6.0, 6.0, 4.0, 4.0]
+    assert max(partition_loads(w, refine_partitions(w, [[0, 1], [2, 3]]))) == 10.0
+    from dispatch.balance import _half_masks
+
+    assert _half_masks(3).shape == (10, 6) and (_half_masks(3).sum(axis=1) == 3).all()

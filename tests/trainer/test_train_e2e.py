@@ -41,7 +41,8 @@ def _check_step_records(records: list[dict], steps: int) -> None:
 def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
     run_dir = tmp_path / "run"
     torchrun(TRAIN, 2, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
-             "trainer.total_steps=3", "debug.inject_rollout_failures=0.3", "trace.enabled=true", timeout=400)
+             "trainer.total_steps=3", "debug.inject_rollout_failures=0.3", "trace.enabled=true",
+             "debug.check_invariants=true", timeout=400)
     records = _metrics(run_dir)
     _check_step_records(records, 3)
     assert sum(r["replay/failed_groups_dropped"] for r in records) > 0, "the injected failures must be dropped"
@@ -59,7 +60,8 @@ def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
 def test_megatron_run_tp2(torchrun, tmp_path):
     run_dir = tmp_path / "run"
     torchrun(TRAIN, 2, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
-             "trainer.total_steps=2", "actor.backend=megatron", "actor.megatron.tp=2", timeout=400)
+             "trainer.total_steps=2", "actor.backend=megatron", "actor.megatron.tp=2",
+             "rollout.agent_loop=tool", timeout=400)
     _check_step_records(_metrics(run_dir), 2)
 
 
