@@ -49,10 +49,13 @@ class PolicyLossConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     horizon: int | None = None  # fixed token horizon of seq-mean-token-sum-norm (normally the max response length)
+    temperature: float = 1.0  # logits are divided by it in training, as in the rollout that sampled the tokens
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"actor.loss.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"actor.loss.temperature must be > 0, got {self.temperature}")
         if self.horizon is not None and self.horizon <= 0:
             raise ValueError(f"actor.loss.horizon must be a positive integer, got {self.horizon}")
         if self.clip_ratio_c <= 1.0:

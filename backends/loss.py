@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["response_logit_positions", "token_logprobs_and_entropy", "entropy_from_logits",
+__all__ = ["response_logit_positions", "token_logprobs_and_entropy", "logprobs_of_targets", "entropy_from_logits",
            "allreduce_counts"]
 
 
@@ -51,11 +51,16 @@ def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, cu
                          f"{tuple(input_ids.shape)}")
     lpos, tpos = response_logit_positions(cu_seqlens, response_lens)
     lpos, tpos = lpos.to(logits.device), tpos.to(logits.device)
-    z = logits.index_select(0, lpos).float() / temperature
-    targets = input_ids.index_select(0, tpos).long()
-    logp = z.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-    ent = entropy_from_logits(z) if with_entropy else None
-    return logp, ent
+    return logprobs_of_targets(logits.index_select(0, lpos), input_ids.index_select(0, tpos), temperature,
+                               with_entropy)
+
+
+def logprobs_of_targets(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[target] per row of logits [R, V] (fp32), and the entropy if asked."""
+    z = logits.float() / temperature
+    logp = z.log_softmax(-1).gather(-1, targets.long()[:, None]).squeeze(-1)
+    return logp, (entropy_from_logits(z) if with_entropy else None)
 
 
 def allreduce_counts(values: list[float], group=None, device: torch.device | str = "cpu") -> list[float]:

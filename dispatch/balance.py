@@ -18,8 +18,8 @@ exactly ``n / k`` items each, minimising the largest set sum.
    the search early.
 
 The result is never worse than equal-size Karmarkar–Karp (it is one of the candidates and repair only
-lowers the maximum). :func:`lower_bound` gives ``max(mean, w_max + sum of the n/k - 1 smallest others)``,
-which no equal-count partition can beat.
+lowers the maximum). :func:`lower_bound` gives a value no equal-count partition can beat (the mean, the
+heaviest item plus the ``n/k - 1`` lightest, and its generalisation to the ``j`` heaviest items).
 
 Example::
 
@@ -86,13 +86,31 @@ def imbalance(loads: Sequence[float]) -> float:
 
 
 def lower_bound(workloads: Sequence[float] | np.ndarray, num_parts: int) -> float:
-    """A bound no equal-count partition's maximum load can beat: max(mean, largest + (n/k - 1) smallest others)."""
+    """A value no equal-count partition's maximum load can be below (``m = n / k`` items per part).
+
+    ``max(mean, max_j B_j)`` over ``j = 1..k`` with the items sorted (``w_1 >= w_2 >= ...``), where
+    ``B_j = min(A_j, P_j)``: either the ``j`` heaviest items sit in ``j`` different parts, which then also
+    hold ``(m-1)·j`` other items, so the heaviest of them carries at least
+    ``A_j = (w_1 + ... + w_j + the (m-1)·j smallest) / j``; or two of them share a part, which then carries at
+    least ``P_j = w_{j-1} + w_j + the (m-2) smallest`` (impossible when ``m = 1``). ``B_1 = w_1 + the m-1
+    smallest`` is the familiar single-item bound.
+    """
     w = _as_weights(workloads, num_parts)
     if w.size == 0:
         return 0.0
-    m = w.size // num_parts
-    s = np.sort(w)
-    return float(max(s.sum() / num_parts, s[-1] + s[: m - 1].sum()))
+    k = num_parts
+    m = w.size // k
+    asc = np.sort(w)
+    desc = asc[::-1]
+    small = np.concatenate([[0.0], np.cumsum(asc)])  # small[i] = sum of the i smallest
+    top = np.cumsum(desc[:k])  # top[j-1] = sum of the j heaviest
+    j = np.arange(1, k + 1)
+    spread = (top + small[(m - 1) * j]) / j
+    if m >= 2:
+        pair = np.full(k, np.inf)
+        pair[1:] = desc[:k - 1] + desc[1:k] + small[m - 2]
+        spread = np.minimum(spread, pair)
+    return float(max(asc.sum() / k, spread.max()))
 
 
 def contiguous_partitions(n: int, num_parts: int) -> list[list[int]]:
@@ -253,23 +271,28 @@ def _half_masks(m: int) -> np.ndarray:
 def _best_pair_split(wt: np.ndarray, idx: np.ndarray, loads: np.ndarray, h: int, eps: float):
     """Exact best equal-count re-split of part h with the lightest part for which it lowers their maximum."""
     k, m = wt.shape
-    mask = _half_masks(m)
-    for o in np.argsort(loads, kind="stable").tolist():
-        if o == h or loads[h] - loads[o] <= eps:
-            continue
-        both = np.concatenate([wt[h], wt[o]])
-        first = mask @ both
-        pair_max = np.maximum(first, both.sum() - first)
-        r = int(np.argmin(pair_max))
-        if pair_max[r] < loads[h] - eps:
-            sel = mask[r].astype(bool)
+    mask = _half_masks(m)  # (splits, 2m)
+    order = np.argsort(loads, kind="stable")
+    order = order[(order != h) & (loads[h] - loads[order] > eps)]
+    chunk = max(1, (1 << 20) // mask.size)
+    for start in range(0, order.size, chunk):
+        cand = order[start:start + chunk]
+        both = np.concatenate([np.broadcast_to(wt[h], (cand.size, m)), wt[cand]], axis=1)  # (c, 2m)
+        first = both @ mask.T  # (c, splits)
+        pair_max = np.maximum(first, both.sum(axis=1, keepdims=True) - first)
+        best = pair_max.argmin(axis=1)
+        ok = np.flatnonzero(pair_max[np.arange(cand.size), best] < loads[h] - eps)
+        if ok.size:
+            c = int(ok[0])  # the lightest partner that helps
+            o = int(cand[c])
+            sel = mask[best[c]].astype(bool)
             ids = np.concatenate([idx[h], idx[o]])
             return o, ids[sel], ids[~sel]
     return None
 
 
 def refine_partitions(workloads: Sequence[float] | np.ndarray, parts: Sequence[Sequence[int]],
-                      max_swaps: int | None = None, tolerance: float = 1e-6) -> list[list[int]]:
+                      max_swaps: int | None = None, tolerance: float = 1e-4) -> list[list[int]]:
     """Local search: lower the heaviest part by 1-for-1 exchanges (or, for parts of <= 8 items, an exact two-part
     re-split) with lighter parts, until nothing lowers it or it is within ``tolerance`` (relative) of
     :func:`lower_bound`.

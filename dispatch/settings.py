@@ -115,15 +115,22 @@ class BatchSettings:
             raise DispatchConfigError(
                 f"group_partition keeps whole groups on one rank, so ppo_mini_batch_size ({self.ppo_mini_batch_size} "
                 f"prompts) must be divisible by the logical DP size {dp}; change it or set group_partition=false")
+        group = topology.microbatch_group
+        if mb is not None and group > mb // dp:
+            raise DispatchConfigError(
+                f"virtual pipelining needs a multiple of pp={group} micro-batches but a rank holds only "
+                f"{mb // dp} samples per mini-batch (M*G/DP = {self.ppo_mini_batch_size}*{self.rollout_n}/{dp}); "
+                f"raise ppo_mini_batch_size or lower pp/vpp")
         if mb is not None and self.micro_batch_size_per_gpu is not None:
             per_rank = mb // dp
             if self.micro_batch_size_per_gpu > per_rank:
                 raise DispatchConfigError(
                     f"micro_batch_size_per_gpu ({self.micro_batch_size_per_gpu}) exceeds the per-rank mini-batch "
                     f"M*G/DP = {self.ppo_mini_batch_size}*{self.rollout_n}/{dp} = {per_rank}; lower it to <= {per_rank}")
-            group = topology.microbatch_group
             count = -(-per_rank // self.micro_batch_size_per_gpu)
             if -(-count // group) * group > per_rank:
                 raise DispatchConfigError(
-                    f"virtual pipelining needs a multiple of pp={group} micro-batches but a rank holds only "
-                    f"{per_rank} samples per mini-batch; raise ppo_mini_batch_size or lower pp/vpp")
+                    f"virtual pipelining needs a multiple of pp={group} micro-batches: {count} micro-batches of "
+                    f"micro_batch_size_per_gpu={self.micro_batch_size_per_gpu} round up to "
+                    f"{-(-count // group) * group}, more than the {per_rank} samples a rank holds per mini-batch; "
+                    f"lower micro_batch_size_per_gpu or raise ppo_mini_batch_size")

@@ -27,7 +27,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["Backend", "Topology", "TopologyError"]
+__all__ = ["Backend", "Topology", "TopologyError", "ENGINE_ONLY_KEYS"]
 
 
 class TopologyError(ValueError):
@@ -55,6 +55,10 @@ _ALIASES = {
     "expert_model_parallel_size": "ep", "expert_tensor_parallel_size": "etp",
     "ulysses_sequence_parallel_size": "ulysses_sp",
 }
+# Engine-only keys of the backend config sections (FSDPConfig, MegatronConfig): accepted and ignored, so that
+# ``{"backend": ..., **dataclasses.asdict(section)}`` works; any other unknown key is refused as a likely typo.
+ENGINE_ONLY_KEYS = frozenset({"activation_checkpointing", "param_dtype", "reduce_dtype", "use_distributed_optimizer",
+                              "sequence_parallel"})
 _MEGATRON_ONLY = ("tp", "pp", "vpp", "cp", "ep", "etp")
 _FSDP_ONLY = ("ulysses_sp",)
 
@@ -149,8 +153,8 @@ class Topology:
     def from_config(cls, cfg: Any, world_size: int, backend: str | None = None) -> "Topology":
         """Build from a plain mapping or a typed section, plus the world size.
 
-        ``cfg`` is either a mapping (``{"backend": "megatron", "tp": 2, "pp": 2}``; missing keys default,
-        unknown keys are an error) or any object carrying the degrees as attributes (``FSDPConfig``,
+        ``cfg`` is either a mapping (``{"backend": "megatron", "tp": 2, "pp": 2}``; missing keys default, the
+        engine-only keys of the backend sections (:data:`ENGINE_ONLY_KEYS`) are ignored, other keys are an error) or any object carrying the degrees as attributes (``FSDPConfig``,
         ``MegatronConfig``, a dataclass); the backend comes from ``cfg["backend"]`` / ``cfg.backend`` or the
         ``backend`` argument. Long megatron-core names (``tensor_model_parallel_size`` ...) are accepted.
         Keys a backend section carries that are not parallel degrees (``param_dtype``, ``sequence_parallel``,
@@ -180,7 +184,7 @@ class Topology:
             key = _ALIASES.get(key, key)
             if key in _DEFAULTS:
                 values[key] = value
-            else:
+            elif key not in ENGINE_ONLY_KEYS:
                 unknown.append(key)
         if unknown and strict:
             raise TopologyError(f"unknown topology keys {sorted(unknown)}; known keys: {sorted(_DEFAULTS)}")

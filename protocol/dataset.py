@@ -281,6 +281,7 @@ class PromptSampler:
 
     @property
     def batches_per_epoch(self) -> int:
+        """Batches in one epoch (the incomplete last one counts only without ``drop_last``)."""
         full, rest = divmod(self.num_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
@@ -309,6 +310,7 @@ class PromptSampler:
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, int | bool]:
+        """JSON-able position (epoch, batches consumed) plus the settings that fix the order."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_samples": self.num_samples,
                 "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
@@ -350,10 +352,13 @@ class PromptLoader:
 
     @property
     def epoch(self) -> int:
+        """The current epoch of the sampler."""
         return self.sampler.epoch
 
     def state_dict(self) -> dict[str, Any]:
+        """The sampler's state (see :meth:`PromptSampler.state_dict`)."""
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the sampler (see :meth:`PromptSampler.load_state_dict`)."""
         self.sampler.load_state_dict(state)

@@ -7,7 +7,8 @@ Estimators of KL(pi || ref) from one sample per token, with ``d = log_prob - ref
 * ``"mse"`` / ``"k2"``: ``0.5 * d**2`` (biased, low variance; its gradient is ``d * grad(log_prob)``, which is
   the unbiased gradient of KL when sampling from the policy);
 * ``"low_var_kl"`` / ``"k3"``: ``exp(-d') - 1 + d'`` with ``d' = clamp(d, -20, 20)``, then clamped to
-  ``[-10, 10]`` (unbiased, non-negative, low variance);
+  ``[0, 10]`` (unbiased, non-negative, low variance; computed as ``expm1(-d') + d'`` so rounding never makes
+  it negative);
 * straight-through ``"k1+"`` and ``"k3+"`` (``"low_var_kl+"``): the *value* of k1 / k3 with the *gradient* of k2,
   i.e. ``k2 + (k - k2).detach()``. The value reports the chosen estimator while the gradient is the unbiased
   per-sample gradient of KL.
@@ -65,7 +66,9 @@ def _check_pair(log_prob: Tensor, ref_log_prob: Tensor) -> None:
 
 def _k3(d: Tensor) -> Tensor:
     nd = torch.clamp(-d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # log(ref / pi)
-    return torch.clamp(torch.exp(nd) - nd - 1.0, -K3_CLAMP, K3_CLAMP)
+    # expm1(x) - x is the same quantity without the cancellation of exp(x) - 1 near 0; it is non-negative in
+    # exact arithmetic, so the lower clamp at 0 only removes rounding (a -1e-16 would read as a negative KL)
+    return torch.clamp(torch.expm1(nd) - nd, 0.0, K3_CLAMP)
 
 
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:

@@ -89,7 +89,11 @@ class ReplayBufferConfig:
 
 @dataclass
 class GroupView:
-    """What the store says about one group: its prompt tag, trajectory keys/tags (session order), arrival rank."""
+    """What the store says about one group: prompt tag, trajectory keys/tags (session order), listing rank.
+
+    ``order`` is the group's position in ``kv_list`` (arrival order for LocalStore); it breaks ties between
+    groups of the same step, so every rank that sees the same listing picks the same groups.
+    """
 
     uid: str
     order: int
@@ -99,6 +103,7 @@ class GroupView:
 
     @property
     def status(self) -> str | None:
+        """The prompt tag's status (None for trajectories whose prompt key is absent)."""
         return None if self.prompt_tag is None else self.prompt_tag.get("status")
 
     @property
@@ -107,6 +112,7 @@ class GroupView:
         return int((self.prompt_tag or {}).get("global_steps", 0))
 
     def trajectory_born_steps(self) -> list[int]:
+        """Per trajectory: ``min_global_steps`` (else ``global_steps``, else the prompt's step)."""
         return [int(t.get("min_global_steps", t.get("global_steps", self.born_step))) for t in self.tags]
 
 
@@ -118,9 +124,11 @@ class BufferSnapshot:
     orphans: int = 0
 
     def by_status(self, status: str) -> list[GroupView]:
+        """Groups whose prompt tag has ``status``, in arrival order."""
         return [g for g in self.groups.values() if g.status == status]
 
     def counts(self) -> dict[str, int]:
+        """Number of groups per status (every status present, zero when none)."""
         c = {s.value: 0 for s in PromptStatus}
         for g in self.groups.values():
             if g.status in c:

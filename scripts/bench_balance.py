@@ -4,8 +4,9 @@
 
 For n in {256, 512, 2048, 16384} samples, DP in {2, 8, 16, 32, 64, 128} and three length mixes
 (dispatch.synthetic: lognormal, bimodal, uniform; seq_len up to 16384, workload of hidden size 4096),
-prints max/mean workload of each method, our gap to the bound max(mean, largest + (n/DP - 1) smallest),
-and the wall time per call (median of --repeats). Targets: gap <= 1% wherever the bound is reachable
+prints max/mean workload of each method, our gap to dispatch.lower_bound (at least the mean and the
+largest sample plus the n/DP - 1 smallest; see its docstring), and the wall time per call (median of
+--repeats). Targets: gap <= 1% wherever the bound is reachable
 (bound/mean close to 1) and < 50 ms for 16384 samples over 128 ranks.
 """
 from __future__ import annotations
@@ -16,8 +17,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 from dispatch import (
     DISTRIBUTIONS,

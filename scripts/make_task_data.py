@@ -1,6 +1,6 @@
 """Write a learnable task's train/val parquet files (no download).
 
-    python scripts/make_task_data.py --out-dir data/copy --task copy --train 2000 --val 128 --seed 0
+    python scripts/make_task_data.py --out-dir data/repeat --task repeat --train 2048 --val 64 --seed 0
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from protocol.tasks import TaskError, known_tasks, write_task_data
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", required=True, help="directory for train.parquet and val.parquet")
-    ap.add_argument("--task", default="copy", choices=known_tasks(), help="task (the rows' data_source)")
+    ap.add_argument("--task", default="repeat", choices=known_tasks(), help="task (the rows' data_source)")
     ap.add_argument("--train", type=int, default=2000, help="number of train rows")
     ap.add_argument("--val", type=int, default=128, help="number of val rows")
     ap.add_argument("--seed", type=int, default=0)

@@ -138,6 +138,8 @@ class RunConfig:
         loss = self.actor.loss
         if loss.horizon is None:  # seq-mean-token-sum-norm divides by a fixed horizon: the longest response
             loss = dataclasses.replace(loss, horizon=self.data.max_response_length)
+        # the update scores tokens at the temperature they were sampled (and their old log-probs computed) with
+        loss = dataclasses.replace(loss, temperature=self.rollout.temperature)
         optim = self.actor.optim
         if optim.total_steps is None:  # every step makes train_batch_size / ppo_mini_batch_size updates per epoch
             per_step = self.data.train_batch_size // self.actor.ppo_mini_batch_size * self.actor.ppo_epochs

@@ -100,13 +100,13 @@ def sample_lengths(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if not isinstance(response_mask, torch.Tensor):
         raise MetricsError(f"response_mask: expected a tensor, got {type(response_mask).__name__}")
     if response_mask.is_nested:
-        offsets = response_mask.offsets()
+        offsets = response_mask.offsets().detach().cpu()
         response_len = (offsets[1:] - offsets[:-1]).to(torch.int64)
-        values = response_mask.values()
+        values = response_mask.values().detach().cpu()
         policy_len = torch.zeros(response_len.numel(), dtype=torch.int64)
         seg = torch.repeat_interleave(torch.arange(response_len.numel()), response_len)
-        policy_len.index_add_(0, seg, (values != 0).to(torch.int64).cpu())
-        return response_len.cpu(), policy_len
+        policy_len.index_add_(0, seg, (values != 0).to(torch.int64))
+        return response_len, policy_len
     raise MetricsError("response_mask: expected a jagged nested tensor (one row per trajectory); for a padded "
                        "[n, max_len] mask the response length is not recoverable, pass the lengths instead")
 

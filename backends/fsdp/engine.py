@@ -18,7 +18,7 @@ from backends.config import EngineConfig
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.share import ShareView, read_share
 from backends.fsdp.ulysses import check_sp_heads, gather_seq, pad_to_multiple, ulysses_attention
-from backends.loss import allreduce_counts, response_logit_positions, token_logprobs_and_entropy
+from backends.loss import allreduce_counts, logprobs_of_targets, response_logit_positions
 from backends.model.llama import LlamaModel
 from backends.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from protocol.losses import entropy_bonus, global_counts, kl_loss, policy_loss
@@ -133,15 +133,18 @@ class FSDPEngine(Engine):
         lens = [view.seq_lens[i] for i in mb]
         rls = [view.response_lens[i] for i in mb]
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)
+        cu_cpu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        cu = cu_cpu.to(self.device)
         if self.sp_size == 1:
-            logits = self.model(ids, pos, cu)
+            lpos, tpos = response_logit_positions(cu_cpu, rls)
+            logits = self.model(ids, pos, cu, logits_positions=lpos.to(self.device))  # response positions only
+            targets = ids.index_select(0, tpos.to(self.device))
             if with_entropy and not entropy_grad:
-                lp, _ = token_logprobs_and_entropy(logits, ids, cu, rls, temperature, False)
+                lp, _ = logprobs_of_targets(logits, targets, temperature, False)
                 with torch.no_grad():
-                    _, ent = token_logprobs_and_entropy(logits.detach(), ids, cu, rls, temperature, True)
+                    _, ent = logprobs_of_targets(logits.detach(), targets, temperature, True)
                 return lp, ent
-            return token_logprobs_and_entropy(logits, ids, cu, rls, temperature, with_entropy)
+            return logprobs_of_targets(logits, targets, temperature, with_entropy)
         total = ids.shape[0]
         ids_p, pos_p, cu_p, _ = pad_to_multiple(ids, pos, cu, self.sp_size)
         tl = ids_p.shape[0] // self.sp_size
@@ -151,7 +154,7 @@ class FSDPEngine(Engine):
         z = logits.float() / temperature
         logp = z.log_softmax(-1)
         lp_local = logp.gather(-1, labels[:, None]).squeeze(-1)
-        idx = response_logit_positions(cu, rls)[0].to(self.device)
+        idx = response_logit_positions(cu_cpu, rls)[0].to(self.device)
         lp = gather_seq(lp_local, self.sp_group)[:total].index_select(0, idx)
         ent = None
         if with_entropy:
@@ -161,7 +164,8 @@ class FSDPEngine(Engine):
         return lp, ent
 
     def _padded(self, rows: list[torch.Tensor], dtype=torch.float32) -> torch.Tensor:
-        return pad_sequence([r.to(self.device, dtype) for r in rows], batch_first=True)
+        """Right-padded [m, L] of the rows, built on the host and copied to the device once."""
+        return pad_sequence([r.to(dtype) for r in rows], batch_first=True).to(self.device, non_blocking=True)
 
     # ---- train -----------------------------------------------------------------------------------------------
     def train_batch(self, share: Share) -> dict[str, float]:
@@ -178,7 +182,8 @@ class FSDPEngine(Engine):
         tokens, seqs = global_counts(mask_all, view.is_padding)
         n_mb = len(share.micro_batches)
         # The step's global counts, all-reduced once before the first backward (plus a micro-batch count check).
-        g_tokens, g_seqs, s_mb, s_mb2 = allreduce_counts([tokens, seqs, n_mb, n_mb * n_mb], self._dp_group)
+        g_tokens, g_seqs, s_mb, s_mb2 = allreduce_counts([tokens, seqs, n_mb, n_mb * n_mb], self._dp_group,
+                                                      self.device)
         if s_mb2 * self._dp_size != s_mb * s_mb:
             raise ValueError(f"every DP rank must run the same number of micro-batches; DP rank {self._dp_rank} has "
                              f"{n_mb}, the mean over {self._dp_size} ranks is {s_mb / self._dp_size:g}")
@@ -187,7 +192,7 @@ class FSDPEngine(Engine):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         want_ent = lc.entropy_coeff != 0
-        sums = torch.zeros(6, dtype=torch.float64)  # loss, pg_loss, clipfrac, approx_kl, entropy, kl
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)  # loss, pg, clipfrac, approx_kl, entropy, kl
         for i, mb in enumerate(share.micro_batches):
             self.model.set_requires_gradient_sync(i == n_mb - 1)
             lp, ent = self._logprobs(view, mb, temperature, with_entropy=True, entropy_grad=want_ent)
@@ -207,14 +212,14 @@ class FSDPEngine(Engine):
             ent_share = entropy_bonus(ent_p, mask, lc.loss_agg_mode, g_tokens, g_seqs, horizon=horizon)
             if want_ent:
                 loss = loss - lc.entropy_coeff * ent_share
-            kl = torch.zeros(())
+            kl = torch.zeros((), device=self.device)
             if lc.use_kl_loss:
                 ref = self._padded([view.ref_log_prob[j] for j in mb])
                 kl = kl_loss(lp_p, ref, mask, lc.kl_loss_type, lc.loss_agg_mode, g_tokens, g_seqs, horizon=horizon)
                 loss = loss + lc.kl_loss_coef * kl
             (loss * self.loss_scale).backward()
-            sums += torch.tensor([float(x.detach()) for x in (loss, pg, m["clipfrac"], m["approx_kl"], ent_share,
-                                                                kl)], dtype=torch.float64)
+            sums += torch.stack([x.detach().to(self.device, torch.float64).reshape(())
+                                 for x in (loss, pg, m["clipfrac"], m["approx_kl"], ent_share, kl)])
         self.model.set_requires_gradient_sync(True)
         grad_norm, finite = clip_grad_norm(self.model.parameters(), self.config.optim.clip_grad)
         lr = self.lr_scheduler.get_last_lr()[0]
@@ -224,7 +229,7 @@ class FSDPEngine(Engine):
             self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         self.global_step += 1
-        tot = allreduce_counts(sums.tolist(), self._dp_group)
+        tot = allreduce_counts(sums.tolist(), self._dp_group, self.device)
         return {
             "loss": tot[0], "pg_loss": tot[1], "pg_clipfrac": tot[2], "ppo_kl": tot[3], "entropy": tot[4],
             "kl_loss": tot[5], "grad_norm": grad_norm, "lr": lr, "tokens": g_tokens, "seqs": g_seqs,

@@ -91,6 +91,10 @@ def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_toke
             raise ShareError(f"share field 'is_padding' must be a dense [n]=[{n}] bool tensor, got "
                              f"{tuple(pad.shape) if isinstance(pad, torch.Tensor) else type(pad).__name__}")
         view.is_padding = pad.bool()
+    empty = [k for k, mb in enumerate(share.micro_batches) if not mb]
+    if empty:
+        raise ShareError(f"micro-batches {empty} are empty; every micro-batch needs a sample (all ranks of the FSDP "
+                         f"mesh run the same forwards), e.g. a padding sample")
     if max_tokens is not None:
         for k, mb in enumerate(share.micro_batches):
             total = sum(seq_lens[i] for i in mb)

@@ -101,8 +101,8 @@ def make_micro_batch(
 
     ``response_fields`` (jagged, response_len each, e.g. ``old_log_probs``) are returned right-padded in
     :attr:`MicroBatch.fields` next to ``response_mask``. ``pad_multiple`` rounds the padded / packed length up
-    (context parallel needs 2·cp). ``pad_to = (b, s)`` pads the padded layout to a fixed shape (extra rows attend
-    to nothing and feed no output), which the interleaved pipeline schedule needs.
+    (context parallel needs 2·cp). ``pad_to = (b, s)`` pads to a fixed shape (padded layout: extra rows attend to
+    nothing and feed no output; packed layout: ``s`` tokens in one row), which the interleaved schedule needs.
     """
     if not positions:
         raise ShareError("a micro-batch must hold at least one sample; got an empty list of positions")
@@ -132,6 +132,10 @@ def make_micro_batch(
     if packed:
         total = sum(seq_l)
         total_padded = -(-total // pad_multiple) * pad_multiple
+        if pad_to is not None:
+            if pad_to[1] < total_padded:
+                raise ShareError(f"pad_to = {pad_to} is smaller than the packed micro-batch ({total_padded} tokens)")
+            total_padded = pad_to[1]
         input_ids = torch.zeros(1, total_padded, dtype=torch.long)
         position_ids = torch.zeros(1, total_padded, dtype=torch.long)
         cu = [0]

@@ -23,6 +23,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this engine; the message says what differs."""
 
 
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 def _model_keys(engine) -> list[str]:
     return ["model"] if len(engine.chunks) == 1 else [f"model{i}" for i in range(len(engine.chunks))]
 
@@ -34,7 +40,7 @@ _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 def _sharded_state_dict(engine, is_loading: bool) -> dict[str, Any]:
     sharded: dict[str, Any] = {}
     for key, chunk in zip(_model_keys(engine), engine.chunks):
-        sharded[key] = chunk.sharded_state_dict(metadata=dict(_METADATA))
+        sharded[key] = _unwrap(chunk).sharded_state_dict(metadata=dict(_METADATA))
     sharded["optimizer"] = engine.optimizer.sharded_state_dict(sharded, is_loading=is_loading,
                                                                metadata=dict(_METADATA))
     return sharded
@@ -92,6 +98,19 @@ def save(engine, path: str, extra_state: dict) -> None:
     dist.barrier()
 
 
+def _unshare_adam_steps(engine) -> None:
+    """Give every parameter its own Adam ``step`` tensor again.
+
+    megatron-core's distributed optimizer restores one shared ``step`` tensor for all parameters when it wraps
+    torch's Adam; torch increments it in place once per parameter, which would skew the bias correction of
+    every later step."""
+    for opt in engine._sub_optimizers:
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].detach().clone()
+
+
 def load(engine, path: str) -> dict:
     """Restore what :func:`save` wrote into ``engine`` (same parallel degrees); return the saved ``extra_state``."""
     from megatron.core import dist_checkpointing
@@ -109,8 +128,10 @@ def load(engine, path: str) -> dict:
             opt._init_optimizer_states_with_dummy_values()
     loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
     for key, chunk in zip(_model_keys(engine), engine.chunks):
-        chunk.load_state_dict(loaded[key], strict=True)
-    engine.optimizer.load_state_dict(loaded["optimizer"])
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
+        engine.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(engine)
     rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -160,17 +160,26 @@ def _cuda_type_name(self: torch.Tensor, dtype=None, non_blocking: bool = False, 
 
 
 _ORIG_TENSOR_TYPE = torch.Tensor.type
+_ORIG_TENSOR_CUDA = torch.Tensor.cuda
+
+
+def _cuda_stays_on_cpu(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``Tensor.cuda()`` that leaves a CPU tensor where it is (used only inside wrapped calls)."""
+    return self
 
 
 @contextlib.contextmanager
 def _cuda_type_names():
-    """Within the block, ``Tensor.type()`` of CPU float tensors reads as the CUDA type megatron-core checks for."""
+    """Within the block, ``Tensor.type()`` of CPU float tensors reads as the CUDA type megatron-core checks for and
+    ``Tensor.cuda()`` is the identity."""
     with _TYPE_LOCK:
         torch.Tensor.type = _cuda_type_name
+        torch.Tensor.cuda = _cuda_stays_on_cpu
         try:
             yield
         finally:
             torch.Tensor.type = _ORIG_TENSOR_TYPE
+            torch.Tensor.cuda = _ORIG_TENSOR_CUDA
 
 
 def _with_cuda_type_names(fn: Callable) -> Callable:
@@ -224,6 +233,7 @@ def _import_megatron_modules() -> None:
         "megatron.core.optimizer.distrib_optimizer",
         "megatron.core.optimizer.clip_grads",
         "megatron.core.models.gpt.gpt_model",
+        "megatron.core.models.common.language_module.language_module",
         "megatron.core.models.gpt.gpt_layer_specs",
         "megatron.core.transformer.transformer_block",
         "megatron.core.transformer.transformer_layer",
@@ -277,6 +287,11 @@ def apply_cpu_shim(force: bool = False) -> bool:
     dist_opt._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(build))
     f16 = optimizer.Float16OptimizerWithFloat16Params
     f16.__init__ = _with_cuda_type_names(f16.__init__)
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    # tied embeddings over pipeline stages move the output copy with Tensor.cuda() before syncing it
+    LanguageModule.setup_embeddings_and_output_layer = _with_cuda_type_names(
+        LanguageModule.setup_embeddings_and_output_layer)
     _STATE["applied"] = True
     return True
 

@@ -27,7 +27,7 @@ from backends.optim import lr_factor
 from protocol.losses import entropy_bonus, kl_loss, policy_loss
 from protocol.nested import to_nested
 
-__all__ = ["MegatronEngine", "TopologyMismatch", "parallel_coords"]
+__all__ = ["MegatronEngine", "TopologyMismatch", "parallel_coords", "check_engine_config"]
 
 # local-spec parameter names -> transformer-engine spec names (norms fused into the following linear)
 _TE_RENAMES = {
@@ -54,6 +54,29 @@ def parallel_coords() -> dict[str, int]:
     }
 
 
+def check_engine_config(config: EngineConfig) -> None:
+    """Refuse configurations the megatron engine cannot run, before any parallel state is created."""
+    from backends.megatron.model import check_model_fits
+
+    par, opt = config.megatron, config.optim
+    check_model_fits(config.model, par)
+    if par.use_distributed_optimizer and opt.name != "adamw":
+        raise ValueError(f"megatron.use_distributed_optimizer = true needs optim.name = 'adamw' (megatron-core's "
+                         f"distributed optimizer supports Adam only), got optim.name = {opt.name!r}; set "
+                         "megatron.use_distributed_optimizer = false to use SGD")
+    if par.dynamic_cp:
+        raise ValueError("megatron.dynamic_cp = true is not supported by the megatron engine; set it to false")
+    if par.cp > 1:
+        raise ValueError(f"megatron.cp = {par.cp}: context parallel is not implemented by this engine yet (it needs "
+                         "per-rank THD sequence partitioning on GPU); set megatron.cp = 1")
+    if par.ep != 1 or par.etp != 1:
+        raise ValueError(f"megatron.ep / megatron.etp must be 1 for the dense decoder, got ep = {par.ep}, "
+                         f"etp = {par.etp}")
+    for key in ("tp", "pp", "vpp", "cp"):
+        if int(getattr(par, key)) < 1:
+            raise ValueError(f"megatron.{key} must be >= 1, got {getattr(par, key)}")
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):
         module = module.module
@@ -75,6 +98,7 @@ class MegatronEngine(Engine):
         self.topology = topology
         par = config.megatron
         self._check_topology_config(topology, par)
+        check_engine_config(config)
         apply_cpu_shim()
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -158,10 +182,6 @@ class MegatronEngine(Engine):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         par, opt = self.config.megatron, self.config.optim
-        if par.use_distributed_optimizer and opt.name != "adamw":
-            raise ValueError(f"megatron.use_distributed_optimizer = true needs optim.name = 'adamw' (megatron-core's "
-                             f"distributed optimizer supports Adam only), got optim.name = {opt.name!r}; set "
-                             "megatron.use_distributed_optimizer = false to use SGD")
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
             use_distributed_optimizer=par.use_distributed_optimizer, check_for_nan_in_grad=False,
@@ -187,7 +207,9 @@ class MegatronEngine(Engine):
             bf16=self.tcfg.bf16, params_dtype=self.tcfg.params_dtype,
             use_distributed_optimizer=par.use_distributed_optimizer,
         )
-        self.optimizer = get_megatron_optimizer(ocfg, self.chunks)
+        # no per-parameter overrides: weight decay applies to every parameter (norms included), exactly like
+        # backends.optim.build_optimizer, so both engines take the same step
+        self.optimizer = get_megatron_optimizer(ocfg, self.chunks, config_overrides={})
         self._sub_optimizers = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def close(self) -> None:
@@ -308,9 +330,14 @@ class MegatronEngine(Engine):
         budget = self.config.max_token_len_per_gpu
         seq, _ = share_lengths(share.data)
         pad_to = None
-        if par.vpp > 1 and not self.packed:  # the interleaved schedule needs one activation shape for all
-            pad_to = (max(len(mb) for mb in share.micro_batches),
-                      max(int(seq[mb].max()) for mb in share.micro_batches if mb))
+        multiple = par.tp if par.sequence_parallel else 1  # sequence parallel splits tokens over TP ranks
+        if par.vpp > 1:  # the interleaved schedule needs one activation shape for all micro-batches
+            if self.packed:
+                longest = max(int(seq[mb].sum()) for mb in share.micro_batches if mb)
+                pad_to = (1, -(-longest // multiple) * multiple)
+            else:
+                pad_to = (max(len(mb) for mb in share.micro_batches),
+                          max(int(seq[mb].max()) for mb in share.micro_batches if mb))
         out = []
         for k, mb in enumerate(share.micro_batches):
             if budget is not None:
@@ -318,7 +345,7 @@ class MegatronEngine(Engine):
                 if tokens > budget:
                     raise ShareError(f"micro-batch {k} holds {tokens} tokens, over max_token_len_per_gpu = {budget}")
             out.append(make_micro_batch(share.data, mb, response_fields=fields, packed=self.packed,
-                                        pad_multiple=2 * par.cp if par.cp > 1 else 1, pad_to=pad_to,
+                                        pad_multiple=multiple, pad_to=pad_to,
                                         device=self.device))
         return out
 
@@ -382,6 +409,11 @@ class MegatronEngine(Engine):
         return TensorDict({k: to_nested(v) for k, v in per_sample.items()}, batch_size=[n])
 
     def _global_counts(self, mbs: list[MicroBatch]) -> tuple[float, float]:
+        """The step's (tokens, sequences) over all micro-batches and DP replicas, all-reduced once before backward.
+
+        Counted over the DP group only: the TP / PP / CP ranks of a replica hold the same share and must not count
+        it twice. Also checks that every DP rank runs the same number of micro-batches.
+        """
         tokens = seqs = 0.0
         for mb in mbs:
             mask = mb.fields["response_mask"].bool()
@@ -389,44 +421,46 @@ class MegatronEngine(Engine):
                                                                                  device=mask.device)
             tokens += float((mask & real[:, None]).sum())
             seqs += float(real.sum())
-        t = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
+        n_mb = float(len(mbs))
+        t = torch.tensor([tokens, seqs, n_mb, n_mb * n_mb], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.dp_group)
+        if float(t[3]) * self.dp_size != float(t[2]) ** 2:
+            raise ShareError(f"every DP rank must run the same number of micro-batches; DP rank {self.dp_rank} has "
+                             f"{len(mbs)}, the mean over {self.dp_size} ranks is {float(t[2]) / self.dp_size:g}")
         return float(t[0]), float(t[1])
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor, counts: tuple[float, float]):
+        """This micro-batch's share of the step loss (policy, entropy bonus, KL) and its metric shares."""
         lcfg = self.config.loss
-        logp, ent = self._token_outputs(logits, mb, 1.0, True)  # entropy is always reported as a metric
+        temperature = float(getattr(lcfg, "temperature", 1.0))
+        horizon = getattr(lcfg, "horizon", None)
+        logp, ent = self._token_outputs(logits, mb, temperature, True)  # entropy is always reported
         rmax = mb.fields["response_mask"].shape[1]
 
         def pad(flat: torch.Tensor) -> torch.Tensor:
             rows = torch.split(flat, mb.response_lens)
             return torch.stack([torch.nn.functional.pad(r, (0, rmax - r.numel())) for r in rows])
 
-        mask = mb.fields["response_mask"]
+        mask = mb.fields["response_mask"].bool()
         if mb.is_padding is not None:
-            mask = mask * (~mb.is_padding).to(mask.dtype)[:, None]
+            mask = mask & ~mb.is_padding[:, None]
         tokens, seqs = counts
         logp_pad = pad(logp)
-        kw = dict(global_tokens=tokens, global_seqs=seqs)
-        horizon = {"horizon": float(rmax)} if lcfg.loss_agg_mode == "seq-mean-token-sum-norm" else {}
         pg, m = policy_loss(mb.fields["old_log_probs"], logp_pad, mb.fields["advantages"], mask,
                             clip_ratio_low=lcfg.clip_ratio_low, clip_ratio_high=lcfg.clip_ratio_high,
-                            clip_ratio_c=lcfg.clip_ratio_c, loss_agg_mode=lcfg.loss_agg_mode, **kw, **horizon)
+                            clip_ratio_c=lcfg.clip_ratio_c, loss_agg_mode=lcfg.loss_agg_mode,
+                            global_tokens=tokens, global_seqs=seqs, horizon=horizon)
         loss = pg
-        ent_pad = pad(ent)
-        ent_mean = entropy_bonus(ent_pad, mask, "token-mean", tokens, seqs)
+        ent_share = entropy_bonus(pad(ent), mask, lcfg.loss_agg_mode, tokens, seqs, horizon=horizon)
         if lcfg.entropy_coeff != 0.0:
-            loss = loss - lcfg.entropy_coeff * entropy_bonus(ent_pad, mask, lcfg.loss_agg_mode, tokens, seqs,
-                                                             **horizon)
+            loss = loss - lcfg.entropy_coeff * ent_share
         kl = torch.zeros((), device=loss.device)
         if lcfg.use_kl_loss:
-            if "ref_log_prob" not in mb.fields:
-                raise ShareError("actor.loss.use_kl_loss is on but the share has no 'ref_log_prob' field")
             kl = kl_loss(logp_pad, mb.fields["ref_log_prob"], mask, lcfg.kl_loss_type, lcfg.loss_agg_mode,
-                         tokens, seqs, **horizon)
+                         tokens, seqs, horizon=horizon)
             loss = loss + lcfg.kl_loss_coef * kl
-        metrics = torch.stack([loss.detach(), pg.detach(), m["clipfrac"], m["approx_kl"], ent_mean.detach(),
-                               kl.detach()]).float().cpu()
+        metrics = torch.stack([x.detach().float().reshape(()) for x in
+                               (loss, pg, m["clipfrac"], m["approx_kl"], ent_share, kl)]).cpu()
         return loss, torch.tensor(1, dtype=torch.int), {"metrics": metrics}
 
     def train_batch(self, share: Share) -> dict[str, float]:
@@ -452,13 +486,13 @@ class MegatronEngine(Engine):
                 local += out["metrics"].double()
         local = local.to(self.device)
         dist.all_reduce(local)  # reporting ranks hold one replica each: the sum is the step's value
-        names = ("loss", "pg_loss", "clipfrac", "approx_kl", "entropy", "kl_loss")
+        names = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
         metrics = {k: float(v) for k, v in zip(names, local.tolist())}
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         metrics.update(grad_norm=float(grad_norm), lr=lr, tokens=counts[0], seqs=counts[1],
-                       skipped=float(skipped), time=time.perf_counter() - t0)
-        t = torch.tensor([metrics["time"]], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        metrics["time"] = float(t)
+                       skipped=float(skipped), micro_batches=float(len(mbs)), time=float(elapsed),
+                       global_step=float(self.step))
         return metrics
 
     @torch.no_grad()

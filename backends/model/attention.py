@@ -1,6 +1,9 @@
 """Exact causal attention over packed (varlen) sequences: no token attends across a sequence boundary."""
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +29,13 @@ def _varlen_available(q: torch.Tensor) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
+def _varlen_has_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over k, v [T, Hkv, D] within each segment of ``cu_seqlens``.
@@ -43,9 +53,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
         if max_seqlen is None:
             max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+        kf, vf = k, v
+        if hq != hkv and not _varlen_has_gqa():
+            kf, vf = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+        extra = {"enable_gqa": True} if hq != hkv and _varlen_has_gqa() else {}
         try:
-            return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, window_size=(-1, 0),
-                               enable_gqa=hq != hkv)
+            return varlen_attn(q, kf, vf, cu, cu, max_seqlen, max_seqlen, window_size=(-1, 0), **extra)
         except (RuntimeError, NotImplementedError, TypeError):  # kernel missing on this build/GPU: exact fallback
             pass
     g = hq // hkv

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from backends.model.llama import LlamaModel
+import torch.nn.functional as F
 
-__all__ = ["generate", "sample_next"]
+from backends.model.attention import packed_attention
+from backends.model.llama import LlamaModel, apply_rotary, rotary_cos_sin
+
+__all__ = ["generate", "sample_next", "KVCache"]
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
@@ -33,11 +36,75 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+class KVCache:
+    """Per-layer keys/values [B, capacity, kv_heads, head_dim] (after rotary) and each row's filled length."""
+
+    def __init__(self, model: LlamaModel, batch: int, capacity: int, device, dtype) -> None:
+        cfg = model.cfg
+        shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+
+def _prefill(model: LlamaModel, prompts: list[list[int]], cache: KVCache, device) -> torch.Tensor:
+    """Run the packed prompts, filling the cache; return the logits at each prompt's last position [B, V]."""
+    cfg = model.cfg
+    lens = [len(p) for p in prompts]
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
+    pos = torch.cat([torch.arange(n, device=device) for n in lens])
+    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    rows = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    x = model.embed_tokens(ids)
+    cos, sin = rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+    for li, layer in enumerate(model.layers):
+        att = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rotary(att.q_proj(h).view(len(ids), -1, cfg.head_dim), cos, sin)
+        k = apply_rotary(att.k_proj(h).view(len(ids), -1, cfg.head_dim), cos, sin)
+        v = att.v_proj(h).view(len(ids), -1, cfg.head_dim)
+        cache.k[li][rows, pos] = k
+        cache.v[li][rows, pos] = v
+        x = x + att.o_proj(packed_attention(q, k, v, cu, max(lens)).reshape(len(ids), -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    cache.lengths = torch.tensor(lens, dtype=torch.long, device=device)
+    last = cu[1:].long() - 1
+    return F.linear(model.norm(x[last]), model.output_weight())
+
+
+def _decode(model: LlamaModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Append one token per row at position ``cache.lengths``; return the next-token logits [B, V]."""
+    cfg = model.cfg
+    B = tokens.shape[0]
+    pos = cache.lengths
+    rows = torch.arange(B, device=tokens.device)
+    x = model.embed_tokens(tokens)
+    cos, sin = rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+    cap = cache.k[0].shape[1]
+    visible = (torch.arange(cap, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,C]
+    g = cfg.num_heads // cfg.num_kv_heads
+    for li, layer in enumerate(model.layers):
+        att = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rotary(att.q_proj(h).view(B, -1, cfg.head_dim), cos, sin)
+        cache.k[li][rows, pos] = apply_rotary(att.k_proj(h).view(B, -1, cfg.head_dim), cos, sin)
+        cache.v[li][rows, pos] = att.v_proj(h).view(B, -1, cfg.head_dim)
+        keys = cache.k[li].transpose(1, 2).repeat_interleave(g, dim=1)  # [B, H, C, D]
+        vals = cache.v[li].transpose(1, 2).repeat_interleave(g, dim=1)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=visible)  # [B, H, 1, D]
+        x = x + att.o_proj(out.reshape(B, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    cache.lengths = pos + 1
+    return F.linear(model.norm(x), model.output_weight())
+
+
 @torch.no_grad()
 def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, eos_token_id: int | None = None, seed: int | None = None,
-             generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample continuations for every prompt at once (packed forward each step, no KV cache).
+             generator: torch.Generator | None = None, use_cache: bool = True
+             ) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample continuations for every prompt at once: a KV-cached decode (or, with ``use_cache=False``, a packed
+    forward over everything each step).
 
     Returns (response token lists, log-prob lists); a response stops after ``eos_token_id`` (kept) or at
     ``max_new_tokens``. Sampling is reproducible from ``seed`` or ``generator``.
@@ -61,6 +128,12 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, t
     outs: list[list[int]] = [[] for _ in prompts]
     lps: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
+    if use_cache and prompts and max_new_tokens > 0:
+        try:
+            return _generate_cached(model, prompts, max_new_tokens, temperature, top_p, eos_token_id, generator,
+                                    device)
+        finally:
+            model.train(was_training)
     try:
         for _ in range(max_new_tokens):
             if not active:
@@ -82,4 +155,27 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, t
             active = still
     finally:
         model.train(was_training)
+    return outs, lps
+
+
+def _generate_cached(model, prompts, max_new_tokens, temperature, top_p, eos_token_id, generator, device):
+    dtype = next(model.parameters()).dtype
+    cap = max(len(p) for p in prompts) + max_new_tokens
+    cache = KVCache(model, len(prompts), cap, device, dtype)
+    logits = _prefill(model, prompts, cache, device)
+    outs: list[list[int]] = [[] for _ in prompts]
+    lps: list[list[float]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for step in range(max_new_tokens):
+        tok, lp = sample_next(logits, temperature, top_p, generator)
+        for i, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+            if done[i]:
+                continue
+            outs[i].append(t)
+            lps[i].append(l)
+            if eos_token_id is not None and t == eos_token_id:
+                done[i] = True
+        if all(done) or step == max_new_tokens - 1:
+            break
+        logits = _decode(model, tok, cache)  # finished rows keep decoding; their tokens are dropped
     return outs, lps

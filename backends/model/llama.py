@@ -1,6 +1,7 @@
 """A small Llama-style decoder in plain torch over packed 1-D batches, with Hugging Face Llama parameter names."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -135,7 +136,9 @@ class LlamaModel(nn.Module):
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids and position_ids must both be 1-D [T] (packed); got "
                              f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}")
-        attention = attention or packed_attention
+        if attention is None:  # the longest sequence, read once per forward instead of once per layer
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+            attention = functools.partial(packed_attention, max_seqlen=longest)
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
@@ -146,11 +149,14 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                attention: AttentionFn | None = None) -> torch.Tensor:
-        """Logits [T, V]; ``attention`` replaces the packed attention (sequence parallel wraps it)."""
+                attention: AttentionFn | None = None, logits_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, V], or [len(logits_positions), V] at just those packed positions (saves the output
+        projection where no log-prob is needed); ``attention`` replaces the packed attention (sequence parallel)."""
         if attention is None and input_ids.dim() == 1:
             check_cu_seqlens(cu_seqlens, input_ids.shape[0])
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, attention)
+        if logits_positions is not None:
+            h = h.index_select(0, logits_positions.to(h.device))
         if self.cfg.tie_word_embeddings:
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)

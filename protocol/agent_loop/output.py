@@ -111,14 +111,17 @@ class AgentLoopOutput:
 
     @property
     def prompt_len(self) -> int:
+        """Number of prompt tokens."""
         return int(self.prompt_ids.numel())
 
     @property
     def response_len(self) -> int:
+        """Number of response tokens (policy and observation)."""
         return int(self.response_ids.numel())
 
     @property
     def seq_len(self) -> int:
+        """``prompt_len + response_len``."""
         return self.prompt_len + self.response_len
 
     @property

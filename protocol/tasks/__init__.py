@@ -1,6 +1,14 @@
-"""Learnable tasks: seeded prompt generators with rule-based, verifiable scorers, selected by ``data_source``."""
+"""Learnable tasks: seeded prompt generators with rule-based, verifiable scorers, selected by ``data_source``.
+
+* ``repeat`` (``repeat: c3`` -> ``ccc``): the default tiny model learns it with GRPO from random weights on CPU;
+* ``copy`` (``copy: abdc`` -> ``abdc``) and ``reverse`` (``reverse: abdc`` -> ``cdba``): harder; they learn
+  faster after a short supervised warm-up (:func:`warmup_token_pairs`).
+
+Every task scores ``(1 - w) * char_match + w * length_match`` (``w = length_weight``, 0.5) of the response decoded
+with special tokens kept; only the exact answer (optionally followed by eos) scores 1.
+"""
 from protocol.tasks.base import Task, TaskError, TaskExample, get_task, known_tasks, register_task
-from protocol.tasks.data import make_rows, write_task_data
+from protocol.tasks.data import make_rows, warmup_token_pairs, write_task_data
 from protocol.tasks.strings import (
     CopyTask,
     RepeatTask,
@@ -16,7 +24,7 @@ __all__ = [
     "Task", "TaskError", "TaskExample", "get_task", "known_tasks", "register_task",
     "StringTask", "CopyTask", "ReverseTask", "RepeatTask", "char_match_score", "length_match_score", "string_score",
     "normalize_response",
-    "make_rows", "write_task_data", "score",
+    "make_rows", "write_task_data", "warmup_token_pairs", "score",
 ]
 
 

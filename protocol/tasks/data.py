@@ -7,7 +7,7 @@ from typing import Any
 
 from protocol.tasks.base import TaskError, get_task
 
-__all__ = ["make_rows", "write_task_data"]
+__all__ = ["make_rows", "write_task_data", "warmup_token_pairs"]
 
 
 def make_rows(task: str, n: int, seed: int, split: str = "train", **params: Any) -> list[dict[str, Any]]:
@@ -39,3 +39,18 @@ def write_task_data(out_dir: str | Path, task: str, train: int, val: int, seed: 
         pq.write_table(pa.Table.from_pylist(rows), path)
         paths[split] = path
     return paths
+
+
+def warmup_token_pairs(task: str, n: int, seed: int, tokenizer: Any, **params: Any) -> list[tuple[list[int], list[int]]]:
+    """``n`` supervised warm-up pairs ``(prompt_ids, response_ids)``: the chat-templated prompt and the answer + eos.
+
+    A warm-up step through the actor engine needs no new loss: train on these responses with ``advantages = 1``
+    and ``old_log_probs`` = the engine's own log-probs of them (so the PPO ratio is 1); the policy-loss gradient
+    is then exactly the token-mean negative log-likelihood gradient.
+    """
+    t = get_task(task, **params)
+    out = []
+    for messages, target in t.warmup_pairs(n, seed):
+        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        out.append((prompt, list(tokenizer.encode(target)) + [tokenizer.eos_token_id]))
+    return out

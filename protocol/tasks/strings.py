@@ -138,7 +138,7 @@ class ReverseTask(StringTask):
 @register_task("repeat")
 @dataclass
 class RepeatTask(StringTask):
-    """``repeat: c3`` -> ``ccc``: one letter written a given number of times (the easiest task)."""
+    """``repeat: c3`` -> ``ccc``: one letter written a given number of times (learnable from random weights)."""
 
     verb: str = "repeat"
 

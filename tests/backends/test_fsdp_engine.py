@@ -63,4 +63,4 @@ def test_two_ranks_parity_options_errors_and_checkpoint_to_one_rank(torchrun, tm
 def test_four_ranks_hsdp_and_sequence_parallel_meshes(torchrun):
     out = torchrun(WORKER, 4, "mesh4", timeout=400)
     _assert_lines(out, ["equal_update dp4 dp=4", "equal_update hsdp2x2 dp=4", "equal_update sp2xdp2 dp=2",
-                        "equal_update sp2_hsdp2x2 dp=2"])
+                        "equal_update sp2_hsdp2x2 dp=2", "equal_update sp4_kv_repeat dp=1"])

@@ -61,6 +61,8 @@ def test_bad_fields_and_budget():
     with pytest.raises(ShareError, match="micro-batch 0 holds 12 tokens.*max_token_len_per_gpu=10.*sample 1"):
         read_share(_share(mbs=[[0, 1]]), train=False, max_tokens=10)
     assert read_share(_share(mbs=[[0, 1]]), train=False, max_tokens=12).n == 2
+    with pytest.raises(ShareError, match=r"micro-batches \[1\] are empty"):
+        read_share(_share(mbs=[[0, 1], []]), train=False)
     with pytest.raises(TypeError, match="Share"):
         read_share({"input_ids": None}, train=False)
     with pytest.raises(ValueError, match="exactly once"):

@@ -247,6 +247,23 @@ def test_generate_reproducible_eos_and_logprobs_match_recompute():
         generate(model, [[1], []], 2)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_kv_cached_decode_matches_full_recompute(tied):
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=tied)
+    model = LlamaModel.from_seed(cfg, 2)
+    prompts = [[1, 2, 3, 4, 5], [6], [7, 8]]
+    greedy_c, lp_c = generate(model, prompts, 7, temperature=0.0)
+    greedy_n, lp_n = generate(model, prompts, 7, temperature=0.0, use_cache=False)
+    assert greedy_c == greedy_n
+    torch.testing.assert_close(torch.tensor(lp_c), torch.tensor(lp_n), rtol=1e-5, atol=1e-5)
+    out, lp = generate(model, prompts, 9, temperature=1.3, top_p=0.9, seed=3)
+    ids, pos, cu = _pack([p + o for p, o in zip(prompts, out)])
+    with torch.no_grad():
+        ref, _ = token_logprobs_and_entropy(model(ids, pos, cu), ids, cu, [len(o) for o in out], temperature=1.3)
+    torch.testing.assert_close(torch.tensor([x for l in lp for x in l]), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_sample_next_top_p_keeps_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]])).repeat(400, 1)
     tok, lp = sample_next(logits, 1.0, 0.8, torch.Generator().manual_seed(0))

@@ -135,4 +135,9 @@ def test_settings_validation_and_token_cap():
     vpp = Topology.from_config({"backend": "megatron", "pp": 4, "vpp": 2}, 8)
     with pytest.raises(DispatchConfigError, match="multiple of pp=4 micro-batches .* only 2 samples"):
         BatchSettings(ppo_mini_batch_size=2, rollout_n=2, micro_batch_size_per_gpu=1).check(vpp)
+    with pytest.raises(DispatchConfigError, match="multiple of pp=4 micro-batches .* only 2 samples"):
+        BatchSettings(ppo_mini_batch_size=2, rollout_n=2, max_token_len_per_gpu=100).check(vpp)
+    with pytest.raises(DispatchConfigError, match="5 micro-batches of micro_batch_size_per_gpu=1 round up to 8"):
+        BatchSettings(ppo_mini_batch_size=5, rollout_n=2, micro_batch_size_per_gpu=1).check(vpp)
+    BatchSettings(ppo_mini_batch_size=4, rollout_n=2, micro_batch_size_per_gpu=1).check(vpp)  # 4 per rank: fine
     assert np.isclose(BatchSettings().workload([1])[0], 24 * 4096 ** 2 + 4 * 4096)

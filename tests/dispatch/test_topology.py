@@ -81,9 +81,11 @@ def test_fsdp_dp_formula_and_mesh_layout(sp, rest, fsdp):
 
 
 def test_rank_maps_match_device_mesh_and_megatron_parallel_state(torchrun):
+    # one launch: DeviceMesh and megatron-core parallel state on a 4-rank gloo world, and every rank planning alone
     out = torchrun("dispatch_topology_worker.py", 4)
     ok = [line for line in out.splitlines() if line.startswith("OK ")]
-    assert len(ok) >= 12, out
+    assert len(ok) >= 15, out
+    assert sum("plan identical on all ranks" in line for line in ok) == 3
     assert any("megatron {'tp': 2, 'pp': 2" in line for line in ok)
     assert any("ulysses_sp=2" in line for line in ok) and any("fsdp_size=2" in line for line in ok)
 
@@ -154,3 +156,31 @@ def test_coords_bounds_table_and_summary():
     assert "-> dp=2" in topo.summary()
     with pytest.raises(dataclasses.FrozenInstanceError):
         topo.tp = 4  # type: ignore[misc]
+
+
+@settings(max_examples=25, deadline=None)
+@given(sp=st.sampled_from([1, 2, 4]), rest=st.sampled_from([1, 2, 3, 4, 8]), fsdp=st.sampled_from([-1, 1, 2, 4]),
+       data=st.data())
+def test_fsdp_rank_map_matches_device_mesh_on_fake_world(sp, rest, fsdp, data):
+    # torch's fake process group lets one process build the DeviceMesh any rank of a large world would see
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = sp * rest
+    if fsdp != -1 and world % fsdp:
+        return
+    topo = Topology.from_config({"backend": "fsdp", "ulysses_sp": sp, "fsdp_size": fsdp}, world)
+    rank = data.draw(st.integers(0, world - 1))
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        c = topo.coords(rank)
+        mesh = init_device_mesh("cpu", (world // sp, sp), mesh_dim_names=("dp", "sp"))
+        assert (c["dp"], c["sp"]) == tuple(mesh.get_coordinate())
+        assert c["dp"] == mesh["dp"].get_local_rank() and topo.dp_size == mesh["dp"].size()
+        shard = world if fsdp == -1 else fsdp
+        hsdp = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        assert (c["replicate"], c["shard"]) == tuple(hsdp.get_coordinate())
+    finally:
+        dist.destroy_process_group()

@@ -1,14 +1,13 @@
-"""Checks Topology's rank maps against torch's DeviceMesh and megatron-core's parallel state on a gloo world.
+"""Checks Topology's rank maps against torch's DeviceMesh and megatron-core's parallel state on a gloo world,
+and that every rank, planning on its own with its own hash seed, arrives at the same DispatchPlan.
 
 Run under torchrun with 4 (or 8) processes; prints one "OK <case>" line per checked case on rank 0.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -89,11 +88,40 @@ def megatron_cases(world: int, rank: int) -> list[str]:
     return done
 
 
+def plan_cases(world: int, rank: int) -> list[str]:
+    """Every rank computes the same plan on its own (no collective in planning), whatever its hash seed."""
+    from dispatch import BatchSettings, WorkloadModel, build_plan, make_padding, padding_count, synthetic_lengths
+
+    done = []
+    topo = Topology.from_config({"backend": "megatron", "tp": 2}, world)
+    seq = synthetic_lengths("bimodal", 96, seed=3, max_len=4096)
+    uids = [f"g{i // 4:04d}x" for i in range(96)]
+    tags = [{"seq_len": int(s), "prompt_len": 1, "response_len": int(s) - 1, "is_padding": False, "uid": u}
+            for s, u in zip(seq, uids)]
+    keys = [f"{u}_{i % 4}_0" for i, u in enumerate(uids)]
+    for name, settings in [
+        ("shuffled tokens", BatchSettings(ppo_mini_batch_size=8, rollout_n=4, ppo_epochs=2, shuffle=True, seed=11,
+                                          max_token_len_per_gpu=9000, workload=WorkloadModel.from_hidden_size(256))),
+        ("groups fixed", BatchSettings(ppo_mini_batch_size=4, rollout_n=4, group_partition=True,
+                                       micro_batch_size_per_gpu=2)),
+        ("inference", BatchSettings(rollout_n=4, max_token_len_per_gpu=5000, small_ends=True)),
+    ]:
+        pad = make_padding(padding_count(len(tags), settings.padding_multiple(topo)), seed=0, fields=[])
+        plan = build_plan(tags + pad.tags, topo, settings, keys=keys + pad.keys)
+        mine = ([[(mb.epoch, mb.index, mb.indices, mb.micro_batches) for mb in r.mini_batches] for r in plan.ranks],
+                sorted(plan.metrics.items()))
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        check(all(g == gathered[0] for g in gathered), f"plan {name!r} differs between ranks")
+        done.append(f"plan identical on all ranks: {name}")
+    return done
+
+
 def main() -> None:
     t0 = time.perf_counter()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    done = fsdp_cases(world, rank) + megatron_cases(world, rank)
+    done = fsdp_cases(world, rank) + megatron_cases(world, rank) + plan_cases(world, rank)
     dist.barrier()
     if rank == 0:
         for d in done:

@@ -134,7 +134,7 @@ def reference_steps(samples_per_step: list[list[dict]], ec: EngineConfig):
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(params, ec.optim.clip_grad))
         opt.step()
-        hist.append({"loss": float(loss), "grad_norm": norm})
+        hist.append({"loss": float(loss.detach()), "grad_norm": norm})
     return {n: p.detach().clone() for n, p in model.named_parameters()}, hist
 
 
@@ -374,7 +374,8 @@ def mode_mesh4() -> None:
     ec = engine_config(optim="sgd", lr=0.5)
     ref_w, ref_hist = reference_steps(steps, ec)
     for name, kw in {"dp4": {}, "hsdp2x2": {"fsdp_size": 2}, "sp2xdp2": {"sp": 2},
-                     "sp2_hsdp2x2": {"sp": 2, "fsdp_size": 2}}.items():
+                     "sp2_hsdp2x2": {"sp": 2, "fsdp_size": 2},
+                     "sp4_kv_repeat": {"sp": 4}}.items():  # 2 kv heads over 4 SP ranks: kv heads are repeated
         eng, hist = run_engine(engine_config(optim="sgd", lr=0.5, **kw), steps, size=1)
         check_metrics(hist, ref_hist, name)
         assert_close_params(eng.get_weights(), ref_w, 1e-5, 1e-6, name)

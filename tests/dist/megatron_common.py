@@ -53,8 +53,10 @@ def reference_logprobs(model: LlamaModel, data: TensorDict, temperature: float =
     return list(torch.split(lp, rl.tolist())), (list(torch.split(ent, rl.tolist())) if with_entropy else None)
 
 
-def engine_config(par: MegatronConfig, model: ModelConfig = MODEL, optim: OptimConfig | None = None, **kw) -> EngineConfig:
-    return EngineConfig(model=model, megatron=par, optim=optim or OptimConfig(name="adamw", lr=0.01, eps=1e-3, clip_grad=1e6),
+def engine_config(par: MegatronConfig, model: ModelConfig = MODEL, optim: OptimConfig | None = None,
+                  **kw) -> EngineConfig:
+    optim = optim or OptimConfig(name="adamw", lr=0.01, eps=1e-3, clip_grad=1e6)
+    return EngineConfig(model=model, megatron=par, optim=optim,
                         seed=kw.pop("seed", 3), **kw)
 
 
@@ -80,11 +82,9 @@ def share_of(data: TensorDict, positions: list[int], k: int) -> Share:
 
 
 def pad_rows(rows, width=None):
+    """Right-pad 1-D tensors into a float [n, width] matrix (keeps autograd)."""
     width = width if width is not None else max(r.numel() for r in rows)
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out
+    return torch.stack([torch.nn.functional.pad(r.float(), (0, width - r.numel())) for r in rows])
 
 
 def reference_step(model: LlamaModel, data: TensorDict, optim: OptimConfig, steps: int = 1):
@@ -111,8 +111,7 @@ def reference_step(model: LlamaModel, data: TensorDict, optim: OptimConfig, step
         opt.zero_grad()
         logits = model(ids.values(), pos, cu)
         lp, _ = token_logprobs_and_entropy(logits, ids.values(), cu, rl)
-        logp = pad_rows(list(torch.split(lp, rl.tolist())), mask.shape[1]) if False else \
-            torch.stack([torch.nn.functional.pad(r, (0, mask.shape[1] - r.numel())) for r in torch.split(lp, rl.tolist())])
+        logp = pad_rows(list(torch.split(lp, rl.tolist())), mask.shape[1])
         loss, _ = policy_loss(old, logp, adv, mask, global_tokens=float(mask.sum()), global_seqs=float(real))
         loss.backward()
         norm, _ = clip_grad_norm(model.parameters(), optim.clip_grad)

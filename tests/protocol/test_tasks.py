@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from protocol.tasks import (
     CopyTask, RepeatTask, ReverseTask, TaskError, char_match_score, get_task, known_tasks, make_rows,
-    normalize_response, register_task, score, write_task_data,
+    normalize_response, register_task, score, warmup_token_pairs, write_task_data,
 )
 from protocol.tasks.strings import length_match_score, string_score
 from protocol.tokenizer import CharTokenizer
@@ -151,6 +151,16 @@ def test_warmup_pairs_come_from_the_generator():
     for messages, target in pairs:
         word = messages[0]["content"].split(": ", 1)[1]
         assert target == word[::-1]
+
+
+def test_warmup_token_pairs_score_one_when_decoded():
+    tok = CharTokenizer()
+    pairs = warmup_token_pairs("copy", 6, seed=0, tokenizer=tok, max_len=4)
+    assert len(pairs) == 6
+    for (messages, target), (prompt_ids, response_ids) in zip(get_task("copy", max_len=4).warmup_pairs(6, 0), pairs):
+        assert prompt_ids == tok.apply_chat_template(messages, add_generation_prompt=True)
+        assert response_ids[-1] == tok.eos_token_id and tok.decode(response_ids) == target
+        assert score("copy", tok.decode(response_ids, skip_special=False), target) == 1.0
 
 
 def test_write_task_data_parquet(tmp_path):

@@ -1,6 +1,7 @@
 """Padding-aware metric reductions, the stage timer and the JSONL metrics logger."""
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import time
@@ -96,6 +97,13 @@ def test_logger_writes_jsonl(tmp_path):
             log.log(3, {"step": 3})
         with pytest.raises(MetricsError, match="step must be an integer"):
             log.log(-1, {})
+    try:
+        importlib.import_module("torch.utils.tensorboard")
+        tb = True
+    except ImportError:
+        tb = False
+    assert log.tensorboard_enabled is False  # closed
+    assert (tmp_path / "run" / "tb").exists() == tb  # mirrored to TensorBoard exactly when it is importable
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     recs = read_metrics(tmp_path / "run")
