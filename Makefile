@@ -27,3 +27,4 @@ bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_dataproto.py --out runs/bench_dataproto.json
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_store.py --out runs/bench_store.json
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_engine.py --out runs/bench_engine.json
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_algorithms.py --out runs/bench_algorithms.json

@@ -36,6 +36,9 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
         return (step + 1) / w
     if cfg.lr_schedule == "constant":
         return 1.0
+    if cfg.total_steps is None:
+        raise ValueError("actor.optim.total_steps is needed by the cosine schedule (the trainer sets it from "
+                         "trainer.total_steps; set it when building an engine directly)")
     span = max(1, cfg.total_steps - w)
     progress = min(1.0, (step - w) / span)
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

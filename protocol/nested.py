@@ -95,7 +95,7 @@ def nested_from_values(values: Tensor, offsets: Tensor) -> Tensor:
     if not isinstance(values, Tensor) or values.is_nested:
         raise TypeError(f"values: expected a dense tensor [T, ...], found {type(values).__name__}")
     if values.dim() < 1:
-        raise NestedShapeError(f"values: expected at least 1 dimension [T, ...], found a scalar")
+        raise NestedShapeError("values: expected at least 1 dimension [T, ...], found a scalar")
     offsets = torch.as_tensor(offsets)
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise NestedShapeError(f"offsets: expected a 1-D tensor [n + 1] with n >= 0, found shape {tuple(offsets.shape)}")

@@ -22,32 +22,16 @@ import numpy as np
 
 from dispatch import (
     DISTRIBUTIONS,
-    BatchSettings,
     DispatchConfigError,
     PlanError,
     Topology,
     TopologyError,
-    WorkloadModel,
     build_plan,
     make_padding,
     padding_count,
     synthetic_lengths,
 )
-
-
-def settings_from_run_config(cfg) -> BatchSettings:
-    """The dispatch settings of a trainer RunConfig's actor update."""
-    a = cfg.actor
-    balance = getattr(a, "balance", None)
-    hidden = (getattr(balance, "hidden_size", None) if balance else None) or cfg.model.hidden_size
-    return BatchSettings(
-        ppo_mini_batch_size=a.ppo_mini_batch_size, rollout_n=cfg.rollout.n, ppo_epochs=a.ppo_epochs,
-        shuffle=a.shuffle, seed=cfg.trainer.seed,
-        micro_batch_size_per_gpu=None if a.use_dynamic_bsz else a.micro_batch_size_per_gpu,
-        max_token_len_per_gpu=a.max_token_len_per_gpu if a.use_dynamic_bsz else None,
-        group_partition=bool(getattr(balance, "group_level", False)),
-        balance=bool(getattr(balance, "enabled", True)),
-        workload=WorkloadModel.from_hidden_size(int(hidden)))
+from trainer.plan import batch_settings
 
 
 def read_lengths(path: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -93,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         topo = Topology.from_config(cfg.topology_config(), args.world)
-        settings = settings_from_run_config(cfg)
+        settings = batch_settings(cfg, topo, step=0)
         settings.check(topo)
     except (ConfigError, TopologyError, DispatchConfigError) as exc:
         print(f"config error: {exc}", file=sys.stderr)

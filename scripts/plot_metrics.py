@@ -18,6 +18,7 @@ from trainer.metrics import MetricsError, read_metrics
 
 # (panel title, regex on the key); a key goes to the first panel that matches it.
 PANELS: tuple[tuple[str, str], ...] = (
+    ("stage times (s)", r"^tim(e|ing)"),  # first, so timing_s/reward is a time, not a reward
     ("reward", r"reward|score"),
     ("KL", r"(^|[/_])kl"),
     ("entropy", r"entropy"),
@@ -28,7 +29,6 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("bytes received", r"bytes"),
     ("lengths", r"length"),
     ("clip fraction", r"clipfrac|clip_frac"),
-    ("stage times (s)", r"^tim(e|ing)"),
     ("policy loss", r"loss"),
 )
 MAX_LINES = 8
@@ -92,7 +92,10 @@ def plot(run_dir: str | Path, out: str | Path | None = None, keys: list[str] | N
     for ax, (title, ks) in zip(axes.flat, panels.items()):
         base = [k for k in ks if not k.endswith(("/min", "/max", "/std"))] or ks
         for k in base[:MAX_LINES]:
-            ax.plot(steps, values[k], label=k, linewidth=1.2)
+            pts = [(s, v) for s, v in zip(steps, values[k]) if not math.isnan(v)]
+            sparse = len(pts) < len(steps) / 2  # e.g. validation every N steps: draw the points themselves
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=k, linewidth=1.2,
+                    marker="o" if sparse else None, markersize=4)
             stem = k[: -len("/mean")] if k.endswith("/mean") else None
             if stem and f"{stem}/min" in values and f"{stem}/max" in values:
                 ax.fill_between(steps, values[f"{stem}/min"], values[f"{stem}/max"], alpha=0.15)

@@ -15,23 +15,23 @@ __all__ = ["RunConfig", "load_config", "ConfigError"]
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=lambda: ["data/copy/train.parquet"])
-    val_files: list[str] = field(default_factory=lambda: ["data/copy/val.parquet"])
-    task: str = "copy"  # generated on first use when the files are missing (scripts/make_task_data.py)
+    train_files: list[str] = field(default_factory=lambda: ["data/repeat/train.parquet"])
+    val_files: list[str] = field(default_factory=lambda: ["data/repeat/val.parquet"])
+    task: str = "repeat"  # generated on first use when the files are missing (scripts/make_task_data.py)
     train_size: int = 2048
     val_size: int = 64
     tokenizer: str = "char"
     max_prompt_length: int = 64
     filter_overlong_prompts: bool = True  # false: an over-long prompt is an error instead of being dropped
-    max_response_length: int = 16
-    train_batch_size: int = 8  # prompts per step
+    max_response_length: int = 8
+    train_batch_size: int = 16  # prompts per step
     val_batch_size: int = 16
     shuffle: bool = True
 
 
 @dataclass
 class RolloutConfig:
-    n: int = 4  # sessions per prompt (GRPO group size)
+    n: int = 8  # sessions per prompt (GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0
     agent_loop: str = "single_turn"  # single_turn | tool
@@ -68,10 +68,10 @@ class BalanceConfig:
 @dataclass
 class ActorConfig:
     backend: str = "fsdp"  # fsdp | megatron
-    ppo_mini_batch_size: int = 4  # prompts per optimizer step
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step
     ppo_epochs: int = 1
     shuffle: bool = False
-    micro_batch_size_per_gpu: int = 4
+    micro_batch_size_per_gpu: int = 8
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 2048
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -97,7 +97,7 @@ class ReplayConfig:
 
 @dataclass
 class TrainerSection:
-    total_steps: int = 60
+    total_steps: int = 300
     run_dir: str = "runs/grpo_tiny"
     save_freq: int = 0  # 0 = only at the end
     resume: str = "never"  # never | auto | a checkpoint folder

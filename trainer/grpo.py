@@ -10,6 +10,7 @@ move point to point through :class:`trainer.dataplane.ShardedStore`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -45,7 +46,7 @@ from trainer.dataplane import ShardedStore
 from trainer.faults import FaultInjectingLoop, fails
 from trainer.metrics import MetricsLogger, Timer, distributed_masked_stats
 from trainer.ref import build_reference
-from trainer.plan import StepPlan, make_step_plan
+from trainer.plan import make_step_plan
 from trainer.rollout import RolloutWorker
 from trainer.schema import to_plain
 from trainer.trace import TraceRecorder
@@ -166,7 +167,10 @@ class GRPOTrainer:
             if cfg.rollout.agent_loop == "tool" else {}
         self.agent_loop = build_agent_loop(cfg.rollout.agent_loop, self.rollout.agenerate, tokenizer=self.tokenizer,
                                            max_response_length=cfg.data.max_response_length, **loop_kwargs)
-        self.reward_manager = make_reward_manager("naive", decode=self.tokenizer.decode)
+        # special tokens stay in the decoded text: a scorer that never saw them would let the policy pad its answer
+        # with <|pad|> and still score full marks
+        self.reward_manager = make_reward_manager("naive", decode=functools.partial(self.tokenizer.decode,
+                                                                                    skip_special=False))
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = FixedKLController(kc.kl_coef) if kc.type == "fixed" else \
             AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon)
@@ -316,7 +320,7 @@ class GRPOTrainer:
             scores = self._score(own, TRAIN, rows_by_uid)
             own_pad = torch.tensor([bool(t.get("is_padding")) for t in self.store.tags_of(own, TRAIN)],
                                    dtype=torch.bool)
-            m.update(distributed_masked_stats(scores.double(), own_pad, "reward/score"))
+            m.update(distributed_masked_stats(scores.double(), own_pad, "reward/score", device=self.ctx.device))
             counts = torch.tensor([float((~own_pad).sum()), float(own_pad.sum())], dtype=torch.float64,
                                   device=self.ctx.device)
             dist.all_reduce(counts)
@@ -359,7 +363,8 @@ class GRPOTrainer:
         with Timer("clear", times):
             self.replay.clear(meta, extra_keys=plan.padding_keys)
             self.store.kv_clear(uids, TRAIN)  # prompt keys of groups the replay buffer dropped earlier
-            left = torch.tensor([self.store.num_keys() + self.store.local.stats().get("keys", 0)], dtype=torch.int64)
+            left = torch.tensor([self.store.num_keys() + self.store.local.stats().get("keys", 0)], dtype=torch.int64,
+                                device=self.ctx.device)
             dist.all_reduce(left)
             m["store/keys_after_clear"] = float(left.item())
         with Timer("weight_sync", times):
@@ -454,7 +459,7 @@ class GRPOTrainer:
                       "returns": response_to_nested(ret.float(), lengths)}
             self.store.kv_batch_put(own, TRAIN, TensorDict(fields, batch_size=[len(own)]))
         if self.ref_bridge is not None:
-            out.update({k.replace("kl/", "kl/"): v for k, v in distributed_masked_stats(kl_vals, pad, "kl").items()})
+            out.update(distributed_masked_stats(kl_vals, pad, "kl", device=self.ctx.device))
         return out
 
     def _sample_metrics(self, full: KVBatchMeta, own: list[str]) -> dict[str, float]:
@@ -463,17 +468,17 @@ class GRPOTrainer:
         tags = self.store.tags_of(own, TRAIN) if own else []
         pad = torch.tensor([bool(t.get("is_padding")) for t in tags], dtype=torch.bool)
         resp_len = torch.tensor([float(t["response_len"]) for t in tags], dtype=torch.float64)
-        out.update(distributed_masked_stats(resp_len, pad, "response_length"))
+        out.update(distributed_masked_stats(resp_len, pad, "response_length", device=self.ctx.device))
         if own:
             td = self.store.local.kv_batch_get(own, TRAIN, select_fields=["response_mask"], jagged=["response_mask"])
             policy_len = torch.tensor([float(r.sum()) for r in td["response_mask"].unbind()], dtype=torch.float64)
         else:
             policy_len = torch.zeros(0, dtype=torch.float64)
-        out.update(distributed_masked_stats(policy_len, pad, "policy_length"))
+        out.update(distributed_masked_stats(policy_len, pad, "policy_length", device=self.ctx.device))
         return out
 
     def _bytes_metrics(self) -> dict[str, float]:
-        mine = torch.tensor([float(self.store.bytes_received)], dtype=torch.float64)
+        mine = torch.tensor([float(self.store.bytes_received)], dtype=torch.float64, device=self.ctx.device)
         parts = [torch.zeros_like(mine) for _ in range(self.ctx.world)]
         dist.all_gather(parts, mine)
         self.store.bytes_received = 0
@@ -503,7 +508,8 @@ class GRPOTrainer:
         keys = [k for k in self.store.kv_list(VAL).get(VAL, {}) if "_" in k]
         own = self._local_keys(keys, VAL)
         scores = self._score(own, VAL, dict(zip(uids, rows)))
-        stats = distributed_masked_stats(scores.double(), None, "val/score") if keys else {}
+        stats = distributed_masked_stats(scores.double(), None, "val/score", device=self.ctx.device) if keys \
+            else {}
         self.store.kv_clear(keys, VAL)
         self.store.kv_clear(uids, VAL)
         return {k: v for k, v in stats.items() if k.endswith("/mean") or k.endswith("/std")}

@@ -6,7 +6,7 @@ import math
 import time
 from numbers import Real
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -57,11 +57,12 @@ def masked_stats(values: Any, is_padding: Any = None, name: str = "value") -> di
 
 
 def distributed_masked_stats(values: Any, is_padding: Any = None, name: str = "value",
-                             group: Any = None) -> dict[str, float]:
+                             group: Any = None, device: Any = None) -> dict[str, float]:
     """:func:`masked_stats` over the samples of every rank in ``group`` (each rank passes its own samples).
 
     Count, sum and squared deviations are combined exactly (Chan's parallel formula); a rank may hold zero
-    non-padding samples as long as some rank holds one. Every rank gets the same result.
+    non-padding samples as long as some rank holds one. Every rank gets the same result. ``device`` is where the
+    gather runs (the process group's device: a GPU under NCCL).
     """
     import torch.distributed as dist
 
@@ -74,8 +75,11 @@ def distributed_masked_stats(values: Any, is_padding: Any = None, name: str = "v
     hi = kept.max() if n else torch.tensor(-math.inf, dtype=torch.float64)
     world = dist.get_world_size(group)
     local = torch.stack([torch.tensor(float(n), dtype=torch.float64), mean, m2, lo, hi])
+    if device is not None:  # NCCL gathers only device tensors
+        local = local.to(device)
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local, group=group)
+    parts = [p.cpu() for p in parts]
     total, g_mean, g_m2 = 0.0, 0.0, 0.0
     g_lo, g_hi = math.inf, -math.inf
     for p in parts:

@@ -1,8 +1,6 @@
 """The FSDP2 engine: packed (remove-padding) micro-batches, optional HSDP mesh and Ulysses SP, global-count losses."""
 from __future__ import annotations
 
-import math
-import os
 import time
 from typing import Any
 

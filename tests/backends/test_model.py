@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from backends.loss import entropy_from_logits, response_logit_positions, token_logprobs_and_entropy

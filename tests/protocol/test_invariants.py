@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st

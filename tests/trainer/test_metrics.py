@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import time
 
 import numpy as np
