@@ -8,6 +8,8 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDict
 
+from protocol.registry import Registry
+
 __all__ = ["Share", "Engine", "register_engine", "get_engine_class", "known_engines"]
 
 
@@ -94,14 +96,15 @@ class Engine(abc.ABC):
         """Restore model, optimizer, LR scheduler, RNG and step; return the ``extra_state`` saved with it."""
 
 
-_REGISTRY: dict[str, Callable[..., Engine]] = {}
+_REGISTRY: Registry[Callable[..., Engine]] = Registry("backend", key="actor.backend")
 
 
 def register_engine(name: str):
     """Class decorator: make an engine selectable by ``actor.backend = name``."""
+    register = _REGISTRY.register(name)
 
     def deco(cls):
-        _REGISTRY[name] = cls
+        register(cls)
         cls.name = name
         return cls
 
@@ -110,15 +113,13 @@ def register_engine(name: str):
 
 def known_engines() -> list[str]:
     _import_builtin_engines()
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_engine_class(name: str) -> Callable[..., Engine]:
     """The engine class registered under ``name``; an unknown name lists the known ones."""
     _import_builtin_engines()
-    if name not in _REGISTRY:
-        raise ValueError(f"actor.backend={name!r} is not a known backend; known backends: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def _import_builtin_engines() -> None:

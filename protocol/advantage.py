@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from protocol.keys import parse_trajectory_key
+from protocol.registry import Registry
 
 __all__ = [
     "AdvantageFn",
@@ -51,34 +52,22 @@ __all__ = [
 ]
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
-_REGISTRY: dict[str, AdvantageFn] = {}
+_REGISTRY: Registry[AdvantageFn] = Registry("advantage estimator", key="algorithm.adv_estimator")
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator: make an estimator selectable by ``algorithm.adv_estimator = name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"advantage estimator name must be a non-empty str, got {name!r}")
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered ({_REGISTRY[name].__name__})")
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
+    return _REGISTRY.register(name)
 
 
 def known_advantages() -> list[str]:
     """Names of the registered advantage estimators."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
     """The estimator registered under ``name``; an unknown name lists the known ones."""
-    if name not in _REGISTRY:
-        raise ValueError(f"algorithm.adv_estimator={name!r} is not a known advantage estimator; "
-                         f"known: {known_advantages()}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def compute_advantage(name: str, **kw: Any) -> tuple[Tensor, Tensor]:

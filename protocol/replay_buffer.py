@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 from protocol.keys import PromptStatus, is_trajectory_key, parse_trajectory_key
 from protocol.meta import KVBatchMeta
@@ -332,6 +332,21 @@ class ReplayBuffer:
             f"finished={counts['finished']}, failed={counts['failure']} (already handed out: "
             f"{len(self._handed_out)}){usable_hint}{wait_hint}")
 
+    def _attempts(self, batch_size: int, current_step: int, timeout: float | None, partial_ok: bool
+                  ) -> Generator[float, None, KVBatchMeta]:
+        """Try to sample until it works: yields the seconds to wait between tries, returns the batch."""
+        timeout = self._check_request(batch_size, current_step, timeout)
+        metrics = self._new_metrics()
+        start = self._clock()
+        while True:
+            meta, counts = self._try_sample(batch_size, current_step, partial_ok, metrics)
+            if meta is not None:
+                return self._finish(meta, metrics, counts, self._clock() - start)
+            self._raise_if_hopeless(counts, partial_ok)
+            if self._clock() - start >= timeout:
+                raise self._timeout_error(batch_size, timeout, counts, partial_ok)
+            yield self.config.poll_interval
+
     def sample(self, batch_size: int, current_step: int, timeout: float | None = None, partial_ok: bool = False
                ) -> KVBatchMeta:
         """Block until ``batch_size`` terminal groups are sampleable; return all their trajectory keys and tags.
@@ -340,32 +355,22 @@ class ReplayBuffer:
         counts. With ``partial_ok`` fewer groups are returned once no group is pending or running (never zero:
         a request with no usable group raises :class:`ReplayBufferError`).
         """
-        timeout = self._check_request(batch_size, current_step, timeout)
-        metrics = self._new_metrics()
-        start = self._clock()
-        while True:
-            meta, counts = self._try_sample(batch_size, current_step, partial_ok, metrics)
-            if meta is not None:
-                return self._finish(meta, metrics, counts, self._clock() - start)
-            self._raise_if_hopeless(counts, partial_ok)
-            if self._clock() - start >= timeout:
-                raise self._timeout_error(batch_size, timeout, counts, partial_ok)
-            time.sleep(self.config.poll_interval)
+        attempts = self._attempts(batch_size, current_step, timeout, partial_ok)
+        try:
+            while True:
+                time.sleep(next(attempts))
+        except StopIteration as done:
+            return done.value
 
     async def async_sample(self, batch_size: int, current_step: int, timeout: float | None = None,
                            partial_ok: bool = False) -> KVBatchMeta:
         """:meth:`sample` for an event loop whose own tasks write the groups (polls with ``asyncio.sleep``)."""
-        timeout = self._check_request(batch_size, current_step, timeout)
-        metrics = self._new_metrics()
-        start = self._clock()
-        while True:
-            meta, counts = self._try_sample(batch_size, current_step, partial_ok, metrics)
-            if meta is not None:
-                return self._finish(meta, metrics, counts, self._clock() - start)
-            self._raise_if_hopeless(counts, partial_ok)
-            if self._clock() - start >= timeout:
-                raise self._timeout_error(batch_size, timeout, counts, partial_ok)
-            await asyncio.sleep(self.config.poll_interval)
+        attempts = self._attempts(batch_size, current_step, timeout, partial_ok)
+        try:
+            while True:
+                await asyncio.sleep(next(attempts))
+        except StopIteration as done:
+            return done.value
 
     def _raise_if_hopeless(self, counts: dict[str, int], partial_ok: bool) -> None:
         if partial_ok and counts["pending"] == 0 and counts["running"] == 0:

@@ -29,6 +29,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from protocol.registry import Registry
+
 __all__ = [
     "RewardError",
     "Scorer",
@@ -55,21 +57,12 @@ class RewardError(ValueError):
 
 
 Scorer = Callable[[str, Any, "Mapping[str, Any] | None"], "float | Mapping[str, Any]"]
-_SCORERS: dict[str, Scorer] = {}
+_SCORERS: Registry[Scorer] = Registry("scorer for data_source", error=RewardError)
 
 
 def register_scorer(name: str) -> Callable[[Scorer], Scorer]:
     """Decorator: score trajectories whose ``data_source == name`` with the decorated function."""
-    if not isinstance(name, str) or not name:
-        raise RewardError(f"scorer name must be a non-empty str, got {name!r}")
-
-    def deco(fn: Scorer) -> Scorer:
-        if name in _SCORERS and _SCORERS[name] is not fn:
-            raise RewardError(f"a scorer for data_source {name!r} is already registered ({_SCORERS[name].__name__})")
-        _SCORERS[name] = fn
-        return fn
-
-    return deco
+    return _SCORERS.register(name)
 
 
 def _task_names() -> list[str]:
@@ -82,13 +75,13 @@ def _task_names() -> list[str]:
 
 def known_scorers() -> list[str]:
     """Every data_source that can be scored: registered scorers and the tasks of :mod:`protocol.tasks`."""
-    return sorted(set(_SCORERS) | set(_task_names()))
+    return sorted(set(_SCORERS.names()) | set(_task_names()))
 
 
 def get_scorer(data_source: str) -> Scorer:
     """The scorer of ``data_source`` (a registered scorer, else the task's ``score``); unknown -> lists the known."""
     if data_source in _SCORERS:
-        return _SCORERS[data_source]
+        return _SCORERS.get(data_source)
     if data_source in _task_names():
         from protocol.tasks import get_task
 
@@ -173,31 +166,23 @@ class RewardManager:
         raise NotImplementedError
 
 
-_MANAGERS: dict[str, Callable[..., RewardManager]] = {}
+_MANAGERS: Registry[Callable[..., RewardManager]] = Registry("reward manager", key="reward.manager",
+                                                             error=RewardError)
 
 
 def register_reward_manager(name: str):
     """Class decorator: make a reward manager selectable by ``reward.manager = name``."""
-
-    def deco(cls):
-        if name in _MANAGERS and _MANAGERS[name] is not cls:
-            raise RewardError(f"reward manager {name!r} is already registered")
-        _MANAGERS[name] = cls
-        return cls
-
-    return deco
+    return _MANAGERS.register(name)
 
 
 def known_reward_managers() -> list[str]:
     """Names of the registered reward managers."""
-    return sorted(_MANAGERS)
+    return _MANAGERS.names()
 
 
 def make_reward_manager(name: str, **kwargs: Any) -> RewardManager:
     """A reward manager by name; an unknown name lists the known ones."""
-    if name not in _MANAGERS:
-        raise RewardError(f"reward.manager={name!r} is not a known reward manager; known: {known_reward_managers()}")
-    return _MANAGERS[name](**kwargs)
+    return _MANAGERS.get(name)(**kwargs)
 
 
 def _ids(name: str, values: Sequence[int] | Tensor) -> list[int]:

@@ -8,6 +8,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
 import torch
 
 from protocol.agent_loop.output import AgentLoopOutput
+from protocol.registry import Registry
 
 __all__ = [
     "GenerateFn",
@@ -118,18 +119,20 @@ class AgentLoop(abc.ABC):
         """Run one session on ``prompt``; ``kwargs`` carry the dataset row's extra info (e.g. ``tools_kwargs``)."""
 
 
-_REGISTRY: dict[str, type[AgentLoop]] = {}
+_REGISTRY: Registry[type[AgentLoop]] = Registry("agent loop", key="rollout.agent_loop")
+
+
+def _check_loop(cls: Any) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+        raise TypeError(f"register_agent_loop expects an AgentLoop subclass, got {cls!r}")
 
 
 def register_agent_loop(name: str) -> Callable[[type[AgentLoop]], type[AgentLoop]]:
-    """Class decorator registering an AgentLoop subclass under ``name`` (config key ``rollout.agent.name``)."""
+    """Class decorator registering an AgentLoop subclass under ``name`` (config key ``rollout.agent_loop``)."""
+    register = _REGISTRY.register(name, check=_check_loop)
 
     def deco(cls: type[AgentLoop]) -> type[AgentLoop]:
-        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
-            raise TypeError(f"register_agent_loop({name!r}) expects an AgentLoop subclass, got {cls!r}")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"agent loop name {name!r} is already registered to {_REGISTRY[name].__name__}")
-        _REGISTRY[name] = cls
+        register(cls)
         cls.name = name
         return cls
 
@@ -138,15 +141,12 @@ def register_agent_loop(name: str) -> Callable[[type[AgentLoop]], type[AgentLoop
 
 def known_agent_loops() -> list[str]:
     """Names of the registered agent loops."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_agent_loop_class(name: str) -> type[AgentLoop]:
-    """The AgentLoop class registered under ``name``; unknown names raise a KeyError listing the known ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown agent loop {name!r}; known: {known_agent_loops()}") from None
+    """The AgentLoop class registered under ``name``; an unknown name lists the known ones."""
+    return _REGISTRY.get(name)
 
 
 def build_agent_loop(name: str, generate: GenerateFn, tokenizer: Any = None, **kwargs: Any) -> AgentLoop:

@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from protocol.registry import Registry
+
 __all__ = ["TaskExample", "Task", "TaskError", "register_task", "get_task", "known_tasks"]
 
 
@@ -69,16 +71,15 @@ class Task(abc.ABC):
         return out
 
 
-_TASKS: dict[str, Callable[[], Task]] = {}
+_TASKS: Registry[Callable[..., Task]] = Registry("task", error=TaskError)
 
 
 def register_task(name: str):
     """Class/factory decorator: make a task available as ``data_source = name``."""
+    register = _TASKS.register(name)
 
     def deco(factory):
-        if name in _TASKS:
-            raise TaskError(f"task {name!r} is already registered")
-        _TASKS[name] = factory
+        register(factory)
         if isinstance(factory, type):
             factory.name = name
         return factory
@@ -88,14 +89,13 @@ def register_task(name: str):
 
 def known_tasks() -> list[str]:
     """Names of every registered task (the valid ``data_source`` values of generated data)."""
-    return sorted(_TASKS)
+    return _TASKS.names()
 
 
 def get_task(name: str, **params: Any) -> Task:
     """A fresh task instance by name; an unknown name lists the known ones."""
-    if name not in _TASKS:
-        raise TaskError(f"unknown task {name!r}; known tasks: {known_tasks()}")
+    factory = _TASKS.get(name)
     try:
-        return _TASKS[name](**params)
+        return factory(**params)
     except TypeError as exc:
         raise TaskError(f"task {name!r}: bad parameters {params!r}: {exc}") from exc

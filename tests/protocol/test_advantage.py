@@ -239,7 +239,7 @@ def test_registry_and_input_errors():
         assert compute_advantage("test_zero", token_level_rewards=torch.ones(1, 2),
                                  response_mask=torch.ones(1, 2))[0].sum() == 0
     finally:
-        advantage_module._REGISTRY.pop("test_zero")
+        advantage_module._REGISTRY.unregister("test_zero")
 
 
 def test_masked_whiten():

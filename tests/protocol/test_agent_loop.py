@@ -123,7 +123,7 @@ def test_registry():
     assert get_agent_loop_class("tool") is ToolAgentLoop
     loop = build_agent_loop("single_turn", lambda i, s: ([1], None), TOK, max_response_length=4)
     assert isinstance(loop, SingleTurnAgentLoop) and loop.max_response_length == 4
-    with pytest.raises(KeyError, match="nope.*single_turn"):
+    with pytest.raises(ValueError, match="nope.*single_turn"):
         get_agent_loop_class("nope")
     with pytest.raises(TypeError):
         register_agent_loop("x")(int)

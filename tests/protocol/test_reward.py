@@ -112,7 +112,7 @@ def test_naive_manager_scores_by_data_source_and_keeps_order():
         with pytest.raises(RewardError, match="no_such_source"):
             mgr([RewardInput([8], "no_such_source")])
     finally:
-        reward_module._SCORERS.pop("test_len")
+        reward_module._SCORERS.unregister("test_len")
 
 
 def test_scorer_result_errors():
@@ -133,7 +133,7 @@ def test_scorer_result_errors():
         with pytest.raises(RewardError, match="RewardInput"):
             mgr([("not", "an input")])
     finally:
-        reward_module._SCORERS.pop("test_bad")
+        reward_module._SCORERS.unregister("test_bad")
 
 
 def test_overlong_manager_penalty():
@@ -164,4 +164,4 @@ def test_manager_registry():
     try:
         assert make_reward_manager("test_const")([RewardInput([], "x")]).scores.tolist() == [7.0]
     finally:
-        reward_module._MANAGERS.pop("test_const")
+        reward_module._MANAGERS.unregister("test_const")

@@ -28,7 +28,7 @@ def test_defaults_need_no_file():
     (["actor.optim.lr=abc"], "actor.optim.lr: expected a number"),
     (["actor.ppo_epochs=1.5"], "actor.ppo_epochs: expected an integer"),
     (["actor.backend=tpu"], "actor.backend must be one of ['fsdp', 'megatron']"),
-    (["data.train_batch_size=6"], "data.train_batch_size (6) must be a multiple of actor.ppo_mini_batch_size (4)"),
+    (["data.train_batch_size=6"], "data.train_batch_size (6) must be a multiple of actor.ppo_mini_batch_size (8)"),
     (["rollout.n=0"], "rollout.n must be a positive integer"),
     (["actor.optim.lr_schedule=linear"], "actor.optim.lr_schedule must be one of"),
     (["actor.loss.loss_agg_mode=mean"], "actor.loss.loss_agg_mode must be one of"),
