@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,27 @@ def test_resume_equals_uninterrupted(torchrun, tmp_path):
     # change the summation order inside matmul kernels by an ulp
     for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):
         assert a[2][key] == pytest.approx(b[2][key], rel=1e-5, abs=1e-7), (key, a[2][key], b[2][key])
+
+
+@pytest.mark.slow
+def test_step_without_usable_groups_stops_with_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
+         "trainer.total_steps=1", "debug.inject_rollout_failures=1.0", "ref.enabled=false"],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "NoUsableGroupsError" in proc.stderr and "no usable prompt group among 16" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_bad_config_exits_2_naming_the_key():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, TRAIN, "--config", CONFIG, "actor.backend=tpu"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2
+    assert "config error: actor.backend must be one of ['fsdp', 'megatron'], got 'tpu'" in proc.stderr
