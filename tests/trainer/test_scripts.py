@@ -99,3 +99,17 @@ def test_plot_metrics_writes_png(tmp_path):
     assert mod.main([str(run), "--keys", "weird_thing"]) == 0 and (run / "metrics.png").exists()
     assert mod.main([str(run), "--keys", "nope"]) == 2
     assert mod.main([str(tmp_path / "empty")]) == 2
+
+
+def test_plot_metrics_overlays_several_runs(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 0.5)):
+        with MetricsLogger(tmp_path / name) as log:
+            for s in range(1, 4):
+                log.log(s, {"reward/mean": scale * s, "timing_s/reward": 0.1, **({"val/score": 0.3} if s == 1 else {})})
+    mod = load_script("plot_metrics.py")
+    path, panels = mod.plot([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert panels["reward"] == ["reward/mean", "val/score"]  # timing_s/reward is a stage time, not a reward
+    assert panels["stage times (s)"] == ["timing_s/reward"]
+    assert mod.main([str(tmp_path / "a"), str(tmp_path / "b"), "--keys", "reward/mean", "--out",
+                     str(tmp_path / "k.png")]) == 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,12 +60,21 @@ def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_megatron_run_tp2(torchrun, tmp_path):
-    run_dir = tmp_path / "run"
-    torchrun(TRAIN, 2, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
-             "trainer.total_steps=2", "actor.backend=megatron", "actor.megatron.tp=2",
-             "rollout.agent_loop=tool", timeout=400)
-    _check_step_records(_metrics(run_dir), 2)
+def test_megatron_tp2_run_matches_fsdp_single_process(torchrun, tmp_path):
+    """Megatron TP=2 (DP=1) and FSDP on one process see the same data and sampling: their runs must agree."""
+    args = ["--config", CONFIG, *SMALL, *_data_args(tmp_path), "trainer.total_steps=2", "rollout.agent_loop=tool"]
+    meg, ref = tmp_path / "megatron", tmp_path / "fsdp1"
+    torchrun(TRAIN, 2, *args, f"trainer.run_dir={meg}", "actor.backend=megatron", "actor.megatron.tp=2",
+             timeout=400)
+    subprocess.run([sys.executable, TRAIN, *args, f"trainer.run_dir={ref}"], check=True, capture_output=True,
+                   timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    a, b = _metrics(meg), _metrics(ref)
+    _check_step_records(a, 2)
+    for ra, rb in zip(a, b):
+        for key in ("reward/score/mean", "response_length/mean", "samples/real"):
+            assert ra[key] == rb[key], (key, ra[key], rb[key])
+        for key in ("actor/loss", "actor/grad_norm", "actor/entropy", "kl/mean"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (key, ra[key], rb[key])
 
 
 @pytest.mark.dist
@@ -89,9 +100,6 @@ def test_resume_equals_uninterrupted(torchrun, tmp_path):
 
 @pytest.mark.slow
 def test_step_without_usable_groups_stops_with_a_clear_error(tmp_path):
-    import subprocess
-    import sys
-
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, TRAIN, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
@@ -102,9 +110,6 @@ def test_step_without_usable_groups_stops_with_a_clear_error(tmp_path):
 
 
 def test_bad_config_exits_2_naming_the_key():
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, TRAIN, "--config", CONFIG, "actor.backend=tpu"], capture_output=True,
                           text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2
