@@ -97,7 +97,7 @@ def test_sp_head_check_and_dtypes():
 
 def test_registry_knows_fsdp():
     assert get_engine_class("fsdp") is FSDPEngine and "fsdp" in known_engines()
-    with pytest.raises(ValueError, match="known backends"):
+    with pytest.raises(ValueError, match="is not a known backend; known:"):
         get_engine_class("nope")
     with pytest.raises(RuntimeError, match="init_process_group"):
         FSDPEngine.__new__(FSDPEngine).__init__(None, None)

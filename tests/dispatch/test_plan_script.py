@@ -20,7 +20,8 @@ def test_plan_script_prints_topology_dp_and_balance(capsys, tmp_path):
     out_json = tmp_path / "plan.json"
     rc = plan.main(["--config", str(REPO / "configs" / "grpo_tiny.yaml"), "--world", "8", "--synthetic", "bimodal",
                     "--json", str(out_json), "actor.backend=megatron", "actor.megatron.tp=2", "actor.megatron.pp=2",
-                    "data.train_batch_size=16"])
+                    "data.train_batch_size=16", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+                    "actor.micro_batch_size_per_gpu=4"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "-> dp=2" in out and "== logical DP = 2" in out
@@ -37,7 +38,8 @@ def test_plan_script_reads_lengths_and_refuses_bad_configs(capsys, tmp_path):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("# prompt_len response_len\n" + "\n".join(f"{5 + i % 3} {i % 11 + 1}" for i in range(30)))
     rc = plan.main(["--config", str(REPO / "configs" / "grpo_tiny.yaml"), "--world", "4", "--lengths", str(lengths),
-                    "actor.use_dynamic_bsz=true", "actor.max_token_len_per_gpu=80", "actor.fsdp.ulysses_sp=2"])
+                    "actor.use_dynamic_bsz=true", "actor.max_token_len_per_gpu=80", "actor.fsdp.ulysses_sp=2",
+                    "rollout.n=4", "actor.ppo_mini_batch_size=4", "data.max_response_length=16"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "30 trajectories" in out and "+2 padding" in out and "token budget 160" in out

@@ -108,7 +108,7 @@ def test_bad_task_names_and_parameters():
     with pytest.raises(TaskError, match="bad parameters"):
         get_task("copy", colour="red")
     with pytest.raises(TaskError, match="already registered"):
-        register_task("copy")(CopyTask)
+        register_task("copy")(ReverseTask)
     with pytest.raises(TaskError, match="length_weight must be in"):
         get_task("copy", length_weight=1.0)
     with pytest.raises(TaskError, match="length_weight must be in"):
