@@ -204,6 +204,11 @@ def validate(cfg: RunConfig) -> RunConfig:
             if cfg.algorithm.adv_estimator == "gae" else ""
         raise ConfigError(f"algorithm.adv_estimator must be one of {critic_free}, got "
                           f"{cfg.algorithm.adv_estimator!r}{hint}")
+    if cfg.actor.loss.temperature not in (1.0, cfg.rollout.temperature):
+        raise ConfigError(
+            f"actor.loss.temperature ({cfg.actor.loss.temperature}) differs from rollout.temperature "
+            f"({cfg.rollout.temperature}); the update always scores tokens at the rollout's temperature, so leave "
+            f"actor.loss.temperature unset")
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:

@@ -34,7 +34,7 @@ from protocol.dataset import RLHFDataset
 from protocol.invariants import assert_invariants
 from protocol.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from protocol.meta import KVBatchMeta
-from protocol.nested import response_from_nested, response_to_nested, nested_lengths
+from protocol.nested import nested_lengths, response_from_nested, response_to_nested, to_nested
 from protocol.replay_buffer import ReplayBuffer, ReplayBufferError
 import protocol.tasks  # noqa: F401  (registers the task scorers by data_source)
 from protocol.reward import RewardInput, compute_rm_scores, make_reward_manager
@@ -416,8 +416,6 @@ class GRPOTrainer:
         if pad:
             td = self.store.local.kv_batch_get(pad, TRAIN, select_fields=["response_mask"], jagged=["response_mask"])
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
-            from protocol.nested import to_nested
-
             self.store.kv_batch_put(pad, TRAIN, TensorDict({"old_log_probs": to_nested(zeros)}, batch_size=[len(pad)]))
 
     def _advantage(self, full: KVBatchMeta, own: list[str]) -> dict[str, float]:

@@ -56,3 +56,10 @@ def test_estimator_and_horizon():
     cfg = load_config(REPO_CONFIG, ["algorithm.adv_estimator=rloo", "data.max_response_length=12"])
     assert cfg.engine_config().loss.horizon == 12  # seq-mean-token-sum-norm's fixed horizon
     assert load_config(REPO_CONFIG, ["actor.loss.horizon=7"]).engine_config().loss.horizon == 7
+
+
+def test_loss_temperature_follows_the_rollout():
+    cfg = load_config(REPO_CONFIG, ["rollout.temperature=0.7"])
+    assert cfg.engine_config().loss.temperature == 0.7
+    with pytest.raises(ConfigError, match=r"actor.loss.temperature \(0.5\) differs from rollout.temperature"):
+        load_config(REPO_CONFIG, ["rollout.temperature=0.7", "actor.loss.temperature=0.5"])
