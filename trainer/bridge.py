@@ -33,10 +33,18 @@ class StoreBridge:
         self.engine = engine
         self.store = store
 
+    def fetch_infer_inputs(self, meta: KVBatchMeta) -> TensorDict:
+        """The fields ``infer_batch`` reads, fetched once so several engines can score the same share."""
+        return self.store.fetch(meta.keys, meta.partition_id, INFER_FIELDS)
+
     def infer(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, outputs: dict[str, str],
-              temperature: float = 1.0, with_entropy: bool = False) -> KVBatchMeta:
-        """Run ``infer_batch`` on this rank's ``meta``; write engine field ``k`` as store field ``outputs[k]``."""
-        data = self.store.fetch(meta.keys, meta.partition_id, INFER_FIELDS)
+              temperature: float = 1.0, with_entropy: bool = False, data: TensorDict | None = None) -> KVBatchMeta:
+        """Run ``infer_batch`` on this rank's ``meta``; write engine field ``k`` as store field ``outputs[k]``.
+
+        ``data`` = :meth:`fetch_infer_inputs` of the same meta, when the caller already holds it (no second fetch).
+        """
+        if data is None:
+            data = self.fetch_infer_inputs(meta)
         result = None
         if len(meta):
             result = self.engine.infer_batch(Share(data, [list(mb) for mb in micro_batches]),

@@ -329,11 +329,13 @@ class GRPOTrainer:
         self._trace("reward", meta, ["rm_scores"], "reward_manager", "advantage")
 
         my_all = plan.rank_meta(full, self.dp_rank)
+        recompute = cfg.rollout.log_prob_mode == "recompute"
+        inputs = self.bridge.fetch_infer_inputs(my_all) if recompute or self.ref_bridge is not None else None
         with Timer("old_log_prob", times):
-            if cfg.rollout.log_prob_mode == "recompute":
+            if recompute:
                 self.bridge.infer(my_all, plan.infer_micro_batches(self.dp_rank),
                                   outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
-                                  temperature=cfg.rollout.temperature, with_entropy=True)
+                                  temperature=cfg.rollout.temperature, with_entropy=True, data=inputs)
             else:
                 self._bypass_old_log_probs(own)
             self.store.sync()
@@ -341,7 +343,8 @@ class GRPOTrainer:
         if self.ref_bridge is not None:
             with Timer("ref", times):
                 self.ref_bridge.infer(my_all, plan.infer_micro_batches(self.dp_rank),
-                                      outputs={"log_probs": "ref_log_prob"}, temperature=cfg.rollout.temperature)
+                                      outputs={"log_probs": "ref_log_prob"}, temperature=cfg.rollout.temperature,
+                                      data=inputs)
                 self.store.sync()
             self._trace("ref", meta, ["ref_log_prob"], "ref.infer_batch", "kl")
 
@@ -421,7 +424,7 @@ class GRPOTrainer:
     def _advantage(self, full: KVBatchMeta, own: list[str]) -> dict[str, float]:
         """On the rank that holds each group (all of a group is generated on one rank): KL, rewards, advantages."""
         cfg = self.cfg
-        need = ["rm_scores", "response_mask", "old_log_probs"] + (["ref_log_prob"] if self.ref_bridge else [])
+        need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if self.ref_bridge else [])
         td = self.store.fetch(own, TRAIN, need)
         out: dict[str, float] = {}
         kl_vals = torch.zeros(0, dtype=torch.float64)
