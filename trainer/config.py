@@ -246,4 +246,24 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
         raise ConfigError(f"cannot read the configuration: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return validate(build_dataclass(RunConfig, data))
+    cfg = build_dataclass(RunConfig, data)
+    if cfg.model.hf_path:
+        cfg.model = _checkpoint_architecture(cfg.model, set((data.get("model") or {}).keys()))
+    return validate(cfg)
+
+
+def _checkpoint_architecture(model: ModelConfig, given: set[str]) -> ModelConfig:
+    """With ``model.hf_path`` the checkpoint's config.json defines the architecture; given keys must agree with it."""
+    from backends.model.hf import HFCheckpointError, read_hf_config
+
+    try:
+        found = read_hf_config(model.hf_path)
+    except HFCheckpointError as exc:
+        raise ConfigError(str(exc)) from exc
+    clash = sorted(k for k in given - {"hf_path", "init_std"} if getattr(model, k) != getattr(found, k))
+    if clash:
+        raise ConfigError(
+            f"model.hf_path={model.hf_path!r}: " + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in clash)
+            + " disagree with its config.json (" + ", ".join(f"{k}={getattr(found, k)!r}" for k in clash)
+            + "); remove these keys, the checkpoint defines the architecture")
+    return found

@@ -17,7 +17,7 @@ from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.share import ShareView, read_share
 from backends.fsdp.ulysses import check_sp_heads, gather_seq, pad_to_multiple, ulysses_attention
 from backends.loss import allreduce_counts, logprobs_of_targets, response_logit_positions
-from backends.model.llama import LlamaModel
+from backends.model.hf import initial_model
 from backends.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from protocol.losses import entropy_bonus, global_counts, kl_loss, policy_loss
 from protocol.nested import to_nested
@@ -79,7 +79,7 @@ class FSDPEngine(Engine):
         self._attention = ulysses_attention(self.sp_group) if sp > 1 else None
 
         torch.manual_seed(config.seed)
-        model = LlamaModel.from_seed(config.model, config.seed).to(self.device)
+        model = initial_model(config.model, config.seed).to(self.device)
         model.activation_checkpointing = bool(fc.activation_checkpointing)
         param_dtype = resolve_dtype(fc.param_dtype, "actor.fsdp.param_dtype", on_gpu)
         reduce_dtype = resolve_dtype(fc.reduce_dtype, "actor.fsdp.reduce_dtype", on_gpu)

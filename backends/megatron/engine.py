@@ -87,7 +87,7 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 class MegatronEngine(Engine):
     """megatron-core engine; ``MegatronEngine(config, topology)`` after ``torch.distributed.init_process_group``.
 
-    Weights start from ``LlamaModel.from_seed(config.model, config.seed)`` converted to megatron-core's layout,
+    Weights start from ``initial_model(config.model, config.seed)`` (a checkpoint or a seeded init) converted to megatron-core's layout,
     so both backends begin from the same model.
     """
 
@@ -126,9 +126,9 @@ class MegatronEngine(Engine):
                                            dtype=torch.bfloat16 if self.use_te else torch.float32)
             chunks = build_model_chunks(config.model, par, self.tcfg, use_te=self.use_te)
             self._build_ddp_and_optimizer(chunks)
-            from backends.model.llama import LlamaModel
+            from backends.model.hf import initial_model
 
-            self.set_weights(LlamaModel.from_seed(config.model, int(config.seed)).state_dict())
+            self.set_weights(initial_model(config.model, int(config.seed)).state_dict())
         except BaseException:
             ps.destroy_model_parallel()
             raise

@@ -25,6 +25,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     init_std: float = 0.02
+    hf_path: str = ""  # a local Hugging Face Llama checkpoint to start from (else random init from the seed)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):

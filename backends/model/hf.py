@@ -1,6 +1,7 @@
 """Load a local Hugging Face Llama-layout checkpoint (config.json + weights) into the project's model; no download."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
@@ -10,7 +11,8 @@ import torch
 from backends.model.config import ModelConfig
 from backends.model.llama import LlamaModel
 
-__all__ = ["HFCheckpointError", "config_from_hf", "convert_hf_state_dict", "load_hf_checkpoint"]
+__all__ = ["HFCheckpointError", "config_from_hf", "read_hf_config", "convert_hf_state_dict", "load_hf_checkpoint",
+           "initial_model"]
 
 
 class HFCheckpointError(ValueError):
@@ -89,15 +91,36 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_hf_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> LlamaModel:
-    """A LlamaModel holding the weights of the local Hugging Face Llama-layout checkpoint in directory ``path``."""
+def read_hf_config(path: str) -> ModelConfig:
+    """The architecture in ``path/config.json`` (with ``hf_path`` set to ``path``)."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise HFCheckpointError(f"model.hf_path={path!r} has no config.json (a local checkpoint directory is needed; "
                                 f"nothing is downloaded)")
     with open(cfg_file) as fh:
-        cfg = config_from_hf(json.load(fh))
+        return dataclasses.replace(config_from_hf(json.load(fh)), hf_path=path)
+
+
+def load_hf_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """A LlamaModel holding the weights of the local Hugging Face Llama-layout checkpoint in directory ``path``."""
+    cfg = read_hf_config(path)
     sd = convert_hf_state_dict(_read_weights(path), cfg)
     model = LlamaModel(cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
     return model.to(dtype)
+
+
+def initial_model(cfg: ModelConfig, seed: int) -> LlamaModel:
+    """The weights every engine starts from: the ``model.hf_path`` checkpoint, else a seeded random init.
+
+    A checkpoint whose config.json disagrees with ``cfg`` is refused, naming the fields.
+    """
+    if not cfg.hf_path:
+        return LlamaModel.from_seed(cfg, seed)
+    found = read_hf_config(cfg.hf_path)
+    diff = [f"{f.name}: config {getattr(cfg, f.name)!r} vs checkpoint {getattr(found, f.name)!r}"
+            for f in dataclasses.fields(ModelConfig) if f.name not in ("hf_path", "init_std")
+            and getattr(cfg, f.name) != getattr(found, f.name)]
+    if diff:
+        raise HFCheckpointError(f"model.* disagrees with {cfg.hf_path}/config.json: {'; '.join(diff)}")
+    return load_hf_checkpoint(cfg.hf_path)

@@ -63,3 +63,44 @@ def test_loss_temperature_follows_the_rollout():
     assert cfg.engine_config().loss.temperature == 0.7
     with pytest.raises(ConfigError, match=r"actor.loss.temperature \(0.5\) differs from rollout.temperature"):
         load_config(REPO_CONFIG, ["rollout.temperature=0.7", "actor.loss.temperature=0.5"])
+
+
+def _write_hf_checkpoint(folder, seed=5):
+    """A tiny Hugging Face Llama-layout checkpoint (config.json + pytorch_model.bin) made from the project's model."""
+    import json
+
+    import torch
+
+    from backends.model.config import ModelConfig
+    from backends.model.llama import LlamaModel
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    model = LlamaModel.from_seed(cfg, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({(n if n == "lm_head.weight" else f"model.{n}"): p.detach().clone()
+                for n, p in model.state_dict().items()}, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "max_position_embeddings": 4096, "hidden_act": "silu"}))
+    return model
+
+
+def test_hf_checkpoint_defines_the_architecture_and_the_start_weights(tmp_path):
+    import torch
+
+    from backends.model.hf import HFCheckpointError, initial_model
+
+    src = _write_hf_checkpoint(tmp_path / "ckpt")
+    cfg = load_config(None, [f"model.hf_path={tmp_path / 'ckpt'}"])
+    assert cfg.model.hidden_size == 32 and cfg.model.intermediate_size == 64 and cfg.model.hf_path
+    start = initial_model(cfg.model, seed=0)  # what both engines load
+    for name, p in src.state_dict().items():
+        assert torch.equal(start.state_dict()[name], p), name
+    with pytest.raises(ConfigError, match=r"model.hidden_size=64, model.intermediate_size=128 disagree with its "
+                                          r"config.json \(hidden_size=32, intermediate_size=64\)"):
+        load_config(REPO_CONFIG, [f"model.hf_path={tmp_path / 'ckpt'}"])
+    with pytest.raises(ConfigError, match="has no config.json"):
+        load_config(None, [f"model.hf_path={tmp_path}"])
+    with pytest.raises(HFCheckpointError, match="hidden_size: config 64 vs checkpoint 32"):
+        initial_model(type(cfg.model)(hf_path=str(tmp_path / "ckpt")), seed=0)
