@@ -29,11 +29,12 @@ import torch
 from tensordict import TensorDict
 
 from protocol.keys import check_uid, trajectory_key, trajectory_tag
+from protocol.nested import to_nested
 
 if TYPE_CHECKING:  # runtime import would be circular (agent_loop.group imports this module)
     from protocol.agent_loop.output import AgentLoopOutput
 
-__all__ = ["MULTI_MODAL_PREFIX", "PostprocessError", "TrajectoryBatch", "to_jagged", "outputs_to_fields", "postprocess_group",
+__all__ = ["MULTI_MODAL_PREFIX", "PostprocessError", "TrajectoryBatch", "outputs_to_fields", "postprocess_group",
            "write_trajectories"]
 
 
@@ -43,15 +44,6 @@ MULTI_MODAL_PREFIX = "multi_modal_inputs."
 
 class PostprocessError(ValueError):
     """Outputs that cannot be written as one batch (inconsistent optional fields, bad session ids)."""
-
-
-def to_jagged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A jagged (``torch.jagged``) nested tensor of ``rows`` (first dim varies), via protocol.nested when present."""
-    try:
-        from protocol.nested import to_nested
-    except ImportError:  # protocol.nested not written yet
-        return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
-    return to_nested(list(rows))
 
 
 @dataclass
@@ -85,15 +77,15 @@ def outputs_to_fields(outputs: Sequence["AgentLoopOutput"]) -> TensorDict:
     masks = [o.response_mask for o in outputs]
     input_ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
     fields: dict[str, Any] = {
-        "prompts": to_jagged(prompts),
-        "responses": to_jagged(responses),
-        "input_ids": to_jagged(input_ids),
-        "position_ids": to_jagged([torch.arange(x.numel(), dtype=torch.int64) for x in input_ids]),
-        "response_mask": to_jagged(masks),
-        "loss_mask": to_jagged([m.clone() for m in masks]),
+        "prompts": to_nested(prompts),
+        "responses": to_nested(responses),
+        "input_ids": to_nested(input_ids),
+        "position_ids": to_nested([torch.arange(x.numel(), dtype=torch.int64) for x in input_ids]),
+        "response_mask": to_nested(masks),
+        "loss_mask": to_nested([m.clone() for m in masks]),
     }
     if _all_or_none(outputs, "response_logprobs"):
-        fields["rollout_log_probs"] = to_jagged([o.response_logprobs for o in outputs])
+        fields["rollout_log_probs"] = to_nested([o.response_logprobs for o in outputs])
     if _all_or_none(outputs, "reward_score"):
         fields["reward_score"] = torch.tensor([o.reward_score for o in outputs], dtype=torch.float32)
     if _all_or_none(outputs, "multi_modal_inputs"):
@@ -103,7 +95,7 @@ def outputs_to_fields(outputs: Sequence["AgentLoopOutput"]) -> TensorDict:
                 raise PostprocessError(f"multi_modal_inputs of output {i} has keys {sorted(o.multi_modal_inputs)}, "
                                        f"output 0 has {names}; they must match")
         for k in names:  # flat names: the store keeps one level of fields
-            fields[f"{MULTI_MODAL_PREFIX}{k}"] = to_jagged([o.multi_modal_inputs[k] for o in outputs])
+            fields[f"{MULTI_MODAL_PREFIX}{k}"] = to_nested([o.multi_modal_inputs[k] for o in outputs])
     return TensorDict(fields, batch_size=[len(outputs)])
 
 

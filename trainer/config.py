@@ -209,6 +209,8 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"actor.loss.temperature ({cfg.actor.loss.temperature}) differs from rollout.temperature "
             f"({cfg.rollout.temperature}); the update always scores tokens at the rollout's temperature, so leave "
             f"actor.loss.temperature unset")
+    if cfg.algorithm.use_kl_in_reward and not cfg.ref.enabled:
+        raise ConfigError("algorithm.use_kl_in_reward=true needs the reference policy: set ref.enabled=true")
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:

@@ -94,10 +94,8 @@ class ShardedStore:
 
         Returns how many of the keys were known (had a tag) before the call."""
         keys = list(keys)
-        local_keys = [k for k in keys if any(r == self.rank for r in self._where.get((partition_id, k), {}).values())
-                      or k in self.local.kv_list(partition_id).get(partition_id, {})]
-        if local_keys:
-            self.local.kv_clear(local_keys, partition_id)
+        if keys:  # keys this rank never held are skipped by the local store, and marked cleared here too
+            self.local.kv_clear(keys, partition_id)
         tags = self._tags.get(partition_id, {})
         gone = set(keys)
         self._pending = [  # unsynced writes of cleared keys must not resurrect them on other ranks

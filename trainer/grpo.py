@@ -44,7 +44,7 @@ from trainer.bridge import StoreBridge
 from trainer.config import RunConfig
 from trainer.dataplane import ShardedStore
 from trainer.faults import FaultInjectingLoop, fails
-from trainer.metrics import MetricsLogger, Timer, distributed_masked_stats
+from trainer.metrics import MetricsLogger, Timer, distributed_masked_stats, sample_lengths
 from trainer.ref import build_reference
 from trainer.plan import make_step_plan
 from trainer.rollout import RolloutWorker
@@ -316,10 +316,9 @@ class GRPOTrainer:
         full = plan.full_meta(self.store)  # real + padding keys with their replicated tags
 
         with Timer("reward", times):
-            own = self._local_keys(full.keys, TRAIN)
+            own = self._local_keys(full.keys, TRAIN)  # the trajectories (and padding samples) this rank holds
+            own_pad = self._padding_flags(own)
             scores = self._score(own, TRAIN, rows_by_uid)
-            own_pad = torch.tensor([bool(t.get("is_padding")) for t in self.store.tags_of(own, TRAIN)],
-                                   dtype=torch.bool)
             m.update(distributed_masked_stats(scores.double(), own_pad, "reward/score", device=self.ctx.device))
             counts = torch.tensor([float((~own_pad).sum()), float(own_pad.sum())], dtype=torch.float64,
                                   device=self.ctx.device)
@@ -337,7 +336,7 @@ class GRPOTrainer:
                                   outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
                                   temperature=cfg.rollout.temperature, with_entropy=True, data=inputs)
             else:
-                self._bypass_old_log_probs(own)
+                self._bypass_old_log_probs(own, own_pad)
             self.store.sync()
         self._trace("old_log_prob", meta, ["old_log_probs"], "actor.infer_batch", "actor.train_batch")
         if self.ref_bridge is not None:
@@ -349,7 +348,8 @@ class GRPOTrainer:
             self._trace("ref", meta, ["ref_log_prob"], "ref.infer_batch", "kl")
 
         with Timer("advantage", times):
-            m.update(self._advantage(full, own))
+            own_mask, adv_metrics = self._advantage(own, own_pad)
+            m.update(adv_metrics)
             self.store.sync()
         self._trace("advantage", meta, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
         if cfg.debug.check_invariants:
@@ -361,7 +361,7 @@ class GRPOTrainer:
                 updates.append(self.bridge.train(mb.meta(full), mb.micro_batches,
                                                  use_kl_loss=cfg.actor.loss.use_kl_loss))
             m.update(combine_update_metrics(updates))
-        m.update(self._sample_metrics(full, own))
+        m.update(self._sample_metrics(own_mask, own_pad))
 
         with Timer("clear", times):
             self.replay.clear(meta, extra_keys=plan.padding_keys)
@@ -404,13 +404,14 @@ class GRPOTrainer:
             raise RuntimeError(f"{what} differs between ranks (rank {self.ctx.rank} holds {len(items)} items); "
                                "the replicated tag view is out of sync")
 
-    def _bypass_old_log_probs(self, own: list[str]) -> None:
+    def _padding_flags(self, keys: list[str]) -> torch.Tensor:
+        """``is_padding`` of each key, from the replicated tags."""
+        return torch.tensor([bool(t.get("is_padding")) for t in self.store.tags_of(keys, TRAIN)], dtype=torch.bool)
+
+    def _bypass_old_log_probs(self, own: list[str], own_pad: torch.Tensor) -> None:
         """Bypass mode: the rollout's own log-probs are the old log-probs (padding samples get zeros)."""
-        if not own:
-            return
-        tags = self.store.tags_of(own, TRAIN)
-        real = [k for k, t in zip(own, tags) if not t.get("is_padding")]
-        pad = [k for k, t in zip(own, tags) if t.get("is_padding")]
+        real = [k for k, p in zip(own, own_pad.tolist()) if not p]
+        pad = [k for k, p in zip(own, own_pad.tolist()) if p]
         if real:
             td = self.store.local.kv_batch_get(real, TRAIN, select_fields=["rollout_log_probs"],
                                                jagged=["rollout_log_probs"])
@@ -421,17 +422,17 @@ class GRPOTrainer:
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
             self.store.kv_batch_put(pad, TRAIN, TensorDict({"old_log_probs": to_nested(zeros)}, batch_size=[len(pad)]))
 
-    def _advantage(self, full: KVBatchMeta, own: list[str]) -> dict[str, float]:
-        """On the rank that holds each group (all of a group is generated on one rank): KL, rewards, advantages."""
+    def _advantage(self, own: list[str], pad: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """On the rank that holds each group (all of a group is generated on one rank): KL, rewards, advantages.
+
+        Returns the jagged ``response_mask`` of ``own`` (None when the rank holds nothing) and the KL metrics.
+        """
         cfg = self.cfg
         need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if self.ref_bridge else [])
         td = self.store.fetch(own, TRAIN, need)
         out: dict[str, float] = {}
         kl_vals = torch.zeros(0, dtype=torch.float64)
-        pad = torch.zeros(0, dtype=torch.bool)
         if own:
-            tags = self.store.tags_of(own, TRAIN)
-            pad = torch.tensor([bool(t.get("is_padding")) for t in tags], dtype=torch.bool)
             lengths = nested_lengths(td["response_mask"])
             mask = response_from_nested(td["response_mask"]).float()
             scores = response_from_nested(td["rm_scores"]).float()
@@ -440,9 +441,7 @@ class GRPOTrainer:
                 ref = response_from_nested(td["ref_log_prob"]).float()
                 per_token = kl_penalty(old, ref, cfg.algorithm.kl_penalty) * mask
                 kl_vals = (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).double()
-            if cfg.algorithm.use_kl_in_reward:
-                if self.ref_bridge is None:
-                    raise ValueError("algorithm.use_kl_in_reward=true needs ref.enabled=true")
+            if cfg.algorithm.use_kl_in_reward:  # config validation guarantees a reference
                 rewards, _ = apply_kl_penalty(scores, old, ref, mask, self.kl_ctrl, cfg.algorithm.kl_penalty)
             else:
                 rewards = scores
@@ -461,22 +460,16 @@ class GRPOTrainer:
             self.store.kv_batch_put(own, TRAIN, TensorDict(fields, batch_size=[len(own)]))
         if self.ref_bridge is not None:
             out.update(distributed_masked_stats(kl_vals, pad, "kl", device=self.ctx.device))
-        return out
+        return (td["response_mask"] if own else None), out
 
-    def _sample_metrics(self, full: KVBatchMeta, own: list[str]) -> dict[str, float]:
-        """Length and entropy statistics over real samples (padding excluded)."""
-        out: dict[str, float] = {}
-        tags = self.store.tags_of(own, TRAIN) if own else []
-        pad = torch.tensor([bool(t.get("is_padding")) for t in tags], dtype=torch.bool)
-        resp_len = torch.tensor([float(t["response_len"]) for t in tags], dtype=torch.float64)
-        out.update(distributed_masked_stats(resp_len, pad, "response_length", device=self.ctx.device))
-        if own:
-            td = self.store.local.kv_batch_get(own, TRAIN, select_fields=["response_mask"], jagged=["response_mask"])
-            policy_len = torch.tensor([float(r.sum()) for r in td["response_mask"].unbind()], dtype=torch.float64)
+    def _sample_metrics(self, response_mask: torch.Tensor | None, pad: torch.Tensor) -> dict[str, float]:
+        """Response and policy length statistics over real samples (padding excluded), over all ranks."""
+        if response_mask is None:
+            resp_len = policy_len = torch.zeros(0, dtype=torch.int64)
         else:
-            policy_len = torch.zeros(0, dtype=torch.float64)
-        out.update(distributed_masked_stats(policy_len, pad, "policy_length", device=self.ctx.device))
-        return out
+            resp_len, policy_len = sample_lengths(response_mask)
+        return {**distributed_masked_stats(resp_len.double(), pad, "response_length", device=self.ctx.device),
+                **distributed_masked_stats(policy_len.double(), pad, "policy_length", device=self.ctx.device)}
 
     def _bytes_metrics(self) -> dict[str, float]:
         mine = torch.tensor([float(self.store.bytes_received)], dtype=torch.float64, device=self.ctx.device)

@@ -10,6 +10,8 @@ from typing import Any, Mapping
 
 import torch
 
+from protocol.nested import nested_offsets, nested_values
+
 __all__ = [
     "MetricsError", "MetricsLogger", "Timer", "masked_stats", "length_stats", "sample_lengths",
     "distributed_masked_stats", "to_float_dict", "read_metrics",
@@ -104,9 +106,10 @@ def sample_lengths(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if not isinstance(response_mask, torch.Tensor):
         raise MetricsError(f"response_mask: expected a tensor, got {type(response_mask).__name__}")
     if response_mask.is_nested:
-        offsets = response_mask.offsets().detach().cpu()
-        response_len = (offsets[1:] - offsets[:-1]).to(torch.int64)
-        values = response_mask.values().detach().cpu()
+        # nested_offsets / nested_values also read jagged tensors whose rows do not sit back to back
+        offsets = nested_offsets(response_mask).detach().cpu()
+        response_len = offsets.diff()
+        values = nested_values(response_mask).detach().cpu()
         policy_len = torch.zeros(response_len.numel(), dtype=torch.int64)
         seg = torch.repeat_interleave(torch.arange(response_len.numel()), response_len)
         policy_len.index_add_(0, seg, (values != 0).to(torch.int64))

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from protocol.agent_loop.output import AgentLoopOutput
 from protocol.keys import check_trajectory_tag, new_uid, parse_trajectory_key
 from protocol.postprocess import (
-    MULTI_MODAL_PREFIX, PostprocessError, TrajectoryBatch, outputs_to_fields, postprocess_group, to_jagged,
+    MULTI_MODAL_PREFIX, PostprocessError, TrajectoryBatch, outputs_to_fields, postprocess_group,
     write_trajectories,
 )
 from protocol.store import LocalStore
@@ -103,8 +103,3 @@ def test_write_trajectories_one_put_round_trip():
         assert torch.equal(got["response_mask"][i], o.response_mask)
     assert store.kv_list("train")["train"][batch.keys[1]]["seq_len"] == 6
     assert len(write_trajectories(store, "train", TrajectoryBatch([], None, []))) == 0
-
-
-def test_to_jagged():
-    nt = to_jagged([torch.arange(2), torch.arange(0), torch.arange(5)])
-    assert nt.layout == torch.jagged and nt.offsets().tolist() == [0, 2, 2, 7]

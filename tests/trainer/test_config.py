@@ -35,6 +35,7 @@ def test_defaults_need_no_file():
     (["model.hidden_size=30"], "model.hidden_size (30) must be divisible by model.num_heads"),
     (["actor.use_dynamic_bsz=true", "actor.max_token_len_per_gpu=10"], "actor.max_token_len_per_gpu (10)"),
     (["trainer.resume"], "must look like key=value"),
+    (["algorithm.use_kl_in_reward=true", "ref.enabled=false"], "use_kl_in_reward=true needs the reference policy"),
     (["actor.optim.betas=[0.9]"], "actor.optim.betas: expected 2 values"),
 ])
 def test_bad_configs_name_the_key(overrides, expected):
