@@ -24,9 +24,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    from dispatch import DispatchConfigError, TopologyError
     from trainer.grpo import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except (ConfigError, DispatchConfigError, TopologyError) as exc:  # settings that only fail against the world size
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -46,7 +46,7 @@ from trainer.dataplane import ShardedStore
 from trainer.faults import FaultInjectingLoop, fails
 from trainer.metrics import MetricsLogger, Timer, distributed_masked_stats, sample_lengths
 from trainer.ref import build_reference
-from trainer.plan import make_step_plan
+from trainer.plan import batch_settings, make_step_plan
 from trainer.rollout import RolloutWorker
 from trainer.schema import to_plain
 from trainer.trace import TraceRecorder
@@ -141,6 +141,7 @@ class GRPOTrainer:
         self.topology = Topology.from_config(cfg.topology_config(), ctx.world)
         self.dp_rank = self.topology.dp_rank(ctx.rank)
         self.reporting = self.topology.is_reporting(ctx.rank)
+        batch_settings(cfg, self.topology, step=0).check(self.topology)  # refuse undividable batches before rollout
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self._ensure_data()
         d = cfg.data

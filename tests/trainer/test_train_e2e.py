@@ -114,3 +114,8 @@ def test_bad_config_exits_2_naming_the_key():
                           text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2
     assert "config error: actor.backend must be one of ['fsdp', 'megatron'], got 'tpu'" in proc.stderr
+    # refused at start-up against the world size, before any rollout
+    proc = subprocess.run([sys.executable, TRAIN, "--config", CONFIG, "actor.micro_batch_size_per_gpu=100"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2
+    assert "config error: micro_batch_size_per_gpu (100) exceeds the per-rank mini-batch" in proc.stderr
