@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import torch
 from tensordict import TensorDict
 
-from protocol.keys import trajectory_key, trajectory_tag
-from protocol.nested import nested_from_values
+from protocol.store.keys import trajectory_key, trajectory_tag
+from protocol.batch.nested import nested_from_values
 
 __all__ = [
     "PaddingError",

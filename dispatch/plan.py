@@ -33,7 +33,7 @@ from dispatch.balance import balance_partitions, contiguous_partitions, imbalanc
 from dispatch.microbatch import split_micro_batches
 from dispatch.settings import BatchSettings
 from dispatch.topology import Topology
-from protocol.keys import KeyFormatError, group_of
+from protocol.store.keys import KeyFormatError, group_of
 
 __all__ = [
     "PlanError",

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.dataproto import (
+from protocol.batch.dataproto import (
     DataProto, DataProtoItem, collate_fn, deserialize_tensordict, pad_dataproto_to_divisor, serialize_tensordict,
     union_numpy_dict, union_tensor_dict, unpad_dataproto,
 )
-from protocol.keys import (
+from protocol.store.keys import (
     PromptStatus, group_of, new_uid, parse_trajectory_key, prompt_tag, trajectory_key, trajectory_tag, transition,
 )
-from protocol.meta import KVBatchMeta
-from protocol.nested import (
+from protocol.store.meta import KVBatchMeta
+from protocol.batch.nested import (
     PackedBatch, nested_lengths, nested_offsets, nested_values, pack_nested, packed_to_padded, padded_to_packed,
     response_from_nested, response_to_nested, response_values_from_packed, response_values_to_packed, to_nested,
     unpack_to_nested,

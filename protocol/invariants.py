@@ -23,7 +23,7 @@ Example::
 
     >>> import torch
     >>> from tensordict import TensorDict
-    >>> from protocol.nested import to_nested
+    >>> from protocol.batch.nested import to_nested
     >>> td = TensorDict({"responses": to_nested([torch.tensor([5, 6])]),
     ...                  "response_mask": to_nested([torch.tensor([1, 0])])}, batch_size=[1])
     >>> tag = {"prompt_len": 1, "response_len": 3, "seq_len": 4, "global_steps": 0, "min_global_steps": 0,
@@ -42,7 +42,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from protocol.keys import KeyFormatError, TagError, check_trajectory_tag, parse_trajectory_key
+from protocol.store.keys import KeyFormatError, TagError, check_trajectory_tag, parse_trajectory_key
 
 __all__ = [
     "PROMPT_FIELDS",

@@ -23,13 +23,13 @@ from tensordict import TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocol.advantage import compute_advantage  # noqa: E402
+from protocol.algos.advantage import compute_advantage  # noqa: E402
 from protocol.invariants import check_invariants  # noqa: E402
-from protocol.keys import new_uid, trajectory_key, trajectory_tag  # noqa: E402
-from protocol.kl import FixedKLController, apply_kl_penalty  # noqa: E402
-from protocol.losses import global_counts, policy_loss  # noqa: E402
-from protocol.nested import response_to_nested, to_nested  # noqa: E402
-from protocol.reward import compute_rm_scores  # noqa: E402
+from protocol.store.keys import new_uid, trajectory_key, trajectory_tag  # noqa: E402
+from protocol.algos.kl import FixedKLController, apply_kl_penalty  # noqa: E402
+from protocol.algos.losses import global_counts, policy_loss  # noqa: E402
+from protocol.batch.nested import response_to_nested, to_nested  # noqa: E402
+from protocol.algos.reward import compute_rm_scores  # noqa: E402
 
 
 def make_batch(n: int, group: int, L: int, seed: int):

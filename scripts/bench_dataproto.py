@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
-from protocol.dataproto import DataProto, deserialize_tensordict, serialize_tensordict
-from protocol.nested import to_nested
+from protocol.batch.dataproto import DataProto, deserialize_tensordict, serialize_tensordict
+from protocol.batch.nested import to_nested
 
 
 def make_batch(n: int, min_len: int, max_len: int, seed: int) -> DataProto:

@@ -41,7 +41,7 @@ from backends.base import Share, get_engine_class  # noqa: E402
 from backends.config import EngineConfig, FSDPConfig, OptimConfig, PolicyLossConfig  # noqa: E402
 from backends.model.config import ModelConfig  # noqa: E402
 from dispatch.microbatch import min_micro_batches, pack_micro_batches  # noqa: E402
-from protocol.nested import to_nested  # noqa: E402
+from protocol.batch.nested import to_nested  # noqa: E402
 
 PRESETS = {
     # tiny: CPU-friendly default; 0.5b: a 24-layer GQA decoder of about 0.49B parameters (tied embeddings)

@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from backends.base import Share  # noqa: E402
 from backends.config import EngineConfig, MegatronConfig, OptimConfig  # noqa: E402
-from backends.loss import token_logprobs_and_entropy  # noqa: E402
+from protocol.algos.logprob import token_logprobs_and_entropy  # noqa: E402
 from backends.megatron.engine import MegatronEngine  # noqa: E402
 from backends.model.config import ModelConfig  # noqa: E402
 from backends.model.llama import LlamaModel  # noqa: E402
 from dispatch.topology import Topology  # noqa: E402
-from protocol.nested import to_nested  # noqa: E402
+from protocol.batch.nested import to_nested  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 PARITY_MODEL = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,

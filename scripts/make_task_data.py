@@ -1,39 +1,7 @@
-"""Write a learnable task's train/val parquet files (no download).
-
-    python scripts/make_task_data.py --out-dir data/repeat --task repeat --train 2048 --val 64 --seed 0
-"""
-from __future__ import annotations
-
-import argparse
+"""Thin wrapper: ``python scripts/make_task_data.py ...`` is ``rldispatch data ...`` (see rldispatch/commands/data.py)."""
 import sys
 
-from protocol.tasks import TaskError, known_tasks, write_task_data
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out-dir", required=True, help="directory for train.parquet and val.parquet")
-    ap.add_argument("--task", default="repeat", choices=known_tasks(), help="task (the rows' data_source)")
-    ap.add_argument("--train", type=int, default=2000, help="number of train rows")
-    ap.add_argument("--val", type=int, default=128, help="number of val rows")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--alphabet", default=None, help="characters words are drawn from (default: the task's)")
-    ap.add_argument("--min-len", type=int, default=None, help="shortest word (default: the task's)")
-    ap.add_argument("--max-len", type=int, default=None, help="longest word (default: the task's)")
-    ap.add_argument("--length-weight", type=float, default=None,
-                    help="weight of the length term in the score (default: the task's, 0.5)")
-    args = ap.parse_args(argv)
-    params = {k: v for k, v in (("alphabet", args.alphabet), ("min_len", args.min_len), ("max_len", args.max_len),
-                                ("length_weight", args.length_weight)) if v is not None}
-    try:
-        paths = write_task_data(args.out_dir, args.task, args.train, args.val, args.seed, **params)
-    except TaskError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for split, path in paths.items():
-        print(f"{split}: {path}")
-    return 0
-
+from rldispatch.commands.data import main
 
 if __name__ == "__main__":
     sys.exit(main())

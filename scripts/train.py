@@ -1,40 +1,7 @@
-"""The main job: one GRPO run under torchrun, on either backend, from one YAML config.
-
-    torchrun --nproc_per_node=2 scripts/train.py --config configs/grpo_tiny.yaml [key=value ...]
-"""
-from __future__ import annotations
-
-import argparse
-import os
+"""Thin wrapper: ``python scripts/train.py ...`` is ``rldispatch train ...`` (see rldispatch/commands/train.py)."""
 import sys
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="YAML file (defaults are embedded; see trainer/config.py)")
-    parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. actor.backend=megatron actor.megatron.tp=2")
-    args = parser.parse_args(argv)
-
-    from trainer.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {exc}", file=sys.stderr)
-        return 2
-
-    from dispatch import DispatchConfigError, TopologyError
-    from trainer.grpo import run
-
-    try:
-        run(cfg)
-    except (ConfigError, DispatchConfigError, TopologyError) as exc:  # settings that only fail against the world size
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
+from rldispatch.commands.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

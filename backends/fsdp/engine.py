@@ -16,11 +16,12 @@ from backends.config import EngineConfig
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.share import ShareView, read_share
 from backends.fsdp.ulysses import check_sp_heads, gather_seq, pad_to_multiple, ulysses_attention
-from backends.loss import allreduce_counts, logprobs_of_targets, response_logit_positions
+from backends.comm import allreduce_counts
+from protocol.algos.logprob import logprobs_of_targets, response_logit_positions
 from backends.model.hf import initial_model
 from backends.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from protocol.losses import entropy_bonus, global_counts, kl_loss, policy_loss
-from protocol.nested import to_nested
+from protocol.algos.losses import entropy_bonus, global_counts, kl_loss, policy_loss
+from protocol.batch.nested import to_nested
 
 __all__ = ["FSDPEngine", "resolve_dtype"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
-from protocol.nested import is_jagged, nested_lengths, nested_offsets, nested_values
+from protocol.batch.nested import is_jagged, nested_lengths, nested_offsets, nested_values
 
 __all__ = ["ShareError", "MicroBatch", "share_lengths", "make_micro_batch"]
 

@@ -24,8 +24,8 @@ from backends.megatron.cpu_shim import apply_cpu_shim
 from backends.megatron.logprob import vocab_parallel_logprobs_entropy
 from backends.megatron.model import build_model_chunks, te_available, transformer_config
 from backends.optim import lr_factor
-from protocol.losses import entropy_bonus, kl_loss, policy_loss
-from protocol.nested import to_nested
+from protocol.algos.losses import entropy_bonus, kl_loss, policy_loss
+from protocol.batch.nested import to_nested
 
 __all__ = ["MegatronEngine", "TopologyMismatch", "parallel_coords", "check_engine_config"]
 

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
-from ..meta import KVBatchMeta
+from .meta import KVBatchMeta
 from .batching import normalize_tag, single_key_fields
 from .errors import StoreKeyError, preview
 

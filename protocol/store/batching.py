@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ..nested import nested_from_values
+from protocol.batch.nested import nested_from_values
 from .errors import FieldShapeError, preview
 
 __all__ = [

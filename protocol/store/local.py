@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
-from ..meta import KVBatchMeta
+from .meta import KVBatchMeta
 from .base import (
     DEFAULT_MAX_CLEARED_MARKS,
     ClearedMarks,

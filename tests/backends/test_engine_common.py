@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from backends.config import OptimConfig
-from backends.loss import allreduce_counts
+from backends.comm import allreduce_counts
 from backends.optim import build_lr_scheduler, build_optimizer, clip_grad_norm, lr_factor
 
 

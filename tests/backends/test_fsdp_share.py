@@ -10,7 +10,7 @@ from backends.base import Share, get_engine_class, known_engines
 from backends.fsdp.engine import FSDPEngine, resolve_dtype
 from backends.fsdp.share import ShareError, read_share
 from backends.fsdp.ulysses import check_sp_heads, pad_to_multiple
-from protocol.nested import to_nested
+from protocol.batch.nested import to_nested
 
 
 def _share(lens=((3, 2), (4, 3)), mbs=None, **over):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 pytest.importorskip("megatron.core")
 
 from backends.config import EngineConfig, MegatronConfig, OptimConfig  # noqa: E402
-from backends.loss import token_logprobs_and_entropy  # noqa: E402
+from protocol.algos.logprob import token_logprobs_and_entropy  # noqa: E402
 from backends.megatron import cpu_shim  # noqa: E402
 from backends.megatron.batch import ShareError, make_micro_batch, share_lengths  # noqa: E402
 from backends.megatron.convert import (  # noqa: E402
@@ -24,7 +24,7 @@ from backends.megatron.logprob import vocab_parallel_logprobs_entropy  # noqa: E
 from backends.megatron.model import MegatronModelError, check_model_fits, transformer_config  # noqa: E402
 from backends.model.config import ModelConfig  # noqa: E402
 from backends.model.llama import LlamaModel  # noqa: E402
-from protocol.nested import to_nested  # noqa: E402
+from protocol.batch.nested import to_nested  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 SMALL = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=4, num_heads=4, num_kv_heads=2)

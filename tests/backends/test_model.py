@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from backends.loss import entropy_from_logits, response_logit_positions, token_logprobs_and_entropy
+from protocol.algos.logprob import entropy_from_logits, response_logit_positions, token_logprobs_and_entropy
 from backends.model.attention import check_cu_seqlens, packed_attention
 from backends.model.config import ModelConfig
 from backends.model.generate import generate, sample_next

@@ -22,7 +22,7 @@ from dispatch import (
     make_padding,
     padding_count,
 )
-from protocol.keys import check_trajectory_tag, parse_trajectory_key
+from protocol.store.keys import check_trajectory_tag, parse_trajectory_key
 
 
 @settings(max_examples=200, deadline=None)

@@ -22,8 +22,8 @@ from dispatch import (
     restore_order,
     reverse_index,
 )
-from protocol.keys import group_of, trajectory_key, trajectory_tag
-from protocol.nested import to_nested
+from protocol.store.keys import group_of, trajectory_key, trajectory_tag
+from protocol.batch.nested import to_nested
 
 MODEL = WorkloadModel.from_hidden_size(64)
 

@@ -16,8 +16,8 @@ from backends.base import Share, get_engine_class
 from backends.config import EngineConfig, FSDPConfig, OptimConfig, PolicyLossConfig
 from backends.model.config import ModelConfig
 from backends.model.llama import LlamaModel
-from protocol.kl import kl_penalty
-from protocol.nested import to_nested
+from protocol.algos.kl import kl_penalty
+from protocol.batch.nested import to_nested
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 SEED = 7

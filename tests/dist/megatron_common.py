@@ -6,11 +6,11 @@ from tensordict import TensorDict
 
 from backends.base import Share
 from backends.config import EngineConfig, MegatronConfig, OptimConfig
-from backends.loss import token_logprobs_and_entropy
+from protocol.algos.logprob import token_logprobs_and_entropy
 from backends.model.config import ModelConfig
 from backends.model.llama import LlamaModel
 from dispatch.topology import Topology
-from protocol.nested import to_nested
+from protocol.batch.nested import to_nested
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2)
 
@@ -90,7 +90,7 @@ def pad_rows(rows, width=None):
 def reference_step(model: LlamaModel, data: TensorDict, optim: OptimConfig, steps: int = 1):
     """Plain-torch full-batch policy-loss steps on ``data``; returns (losses, grad_norms)."""
     from backends.optim import build_optimizer, clip_grad_norm, lr_factor
-    from protocol.losses import policy_loss
+    from protocol.algos.losses import policy_loss
 
     opt = build_optimizer(model.parameters(), optim)
     ids = data["input_ids"]

@@ -27,7 +27,7 @@ from megatron_common import (  # noqa: E402
 from backends.config import EngineConfig, FSDPConfig, PolicyLossConfig  # noqa: E402
 from backends.megatron.batch import ShareError  # noqa: E402
 from backends.megatron.engine import MegatronEngine, parallel_coords  # noqa: E402
-from protocol.nested import to_nested  # noqa: E402
+from protocol.batch.nested import to_nested  # noqa: E402
 
 N = 8
 LOGPROB_TOL = 2e-5  # fp32, different summation orders (TP-split matmuls, masked vs varlen attention)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from protocol.losses import LOSS_AGG_MODES, entropy_bonus, global_counts, kl_loss, policy_loss
+from protocol.algos.losses import LOSS_AGG_MODES, entropy_bonus, global_counts, kl_loss, policy_loss
 
 V, H, N, L, HORIZON = 11, 8, 13, 6, 6.0
 

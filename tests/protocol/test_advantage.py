@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import protocol.advantage as advantage_module
-from protocol.advantage import (compute_advantage, gae_advantage, get_advantage_fn, grpo_advantage, known_advantages,
+import protocol.algos.advantage as advantage_module
+from protocol.algos.advantage import (compute_advantage, gae_advantage, get_advantage_fn, grpo_advantage, known_advantages,
                                 masked_whiten, register_advantage, session_inputs_from_keys, reinforce_pp_advantage,
                                 reinforce_pp_baseline_advantage, rloo_advantage, trajectory_scores)
 

@@ -7,15 +7,15 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.agent_loop import (
+from protocol.rollout.agent_loop import (
     AgentLoop, AgentLoopOutput, AgentLoopOutputError, GenerateError, SingleTurnAgentLoop, ToolAgentLoop, ToolCall,
     ToolError, ToolRegistry, build_agent_loop, builtin_tools, calculator, call_generate, format_tool_call,
     get_agent_loop_class, known_agent_loops, observation_ids, parse_tool_calls, register_agent_loop,
     register_prompts, run_group, run_groups,
 )
-from protocol.keys import IllegalTransitionError, new_uid, parse_trajectory_key
+from protocol.store.keys import IllegalTransitionError, new_uid, parse_trajectory_key
 from protocol.store import LocalStore
-from protocol.tokenizer import CharTokenizer
+from protocol.rollout.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 EOS = TOK.eos_token_id

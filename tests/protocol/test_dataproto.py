@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from protocol.dataproto import (
+from protocol.batch.dataproto import (
     BatchSizeMismatchError,
     DataProto,
     DataProtoError,
@@ -29,7 +29,7 @@ from protocol.dataproto import (
     union_tensor_dict,
     unpad_dataproto,
 )
-from protocol.nested import nested_lengths, nested_values, to_nested
+from protocol.batch.nested import nested_lengths, nested_values, to_nested
 
 SETTINGS = settings(max_examples=15, deadline=None)
 
@@ -606,7 +606,7 @@ def test_collate_refusals():
 def test_docstring_examples_run():
     import doctest
 
-    import protocol.dataproto as dataproto_mod
+    import protocol.batch.dataproto as dataproto_mod
 
     result = doctest.testmod(dataproto_mod, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.dataset import DatasetError, PromptLoader, PromptSampler, RLHFDataset, collate_rows, read_rows
-from protocol.tokenizer import CharTokenizer
+from protocol.rollout.dataset import DatasetError, PromptLoader, PromptSampler, RLHFDataset, collate_rows, read_rows
+from protocol.rollout.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 
@@ -34,7 +34,7 @@ def files(tmp_path):
 
 def test_reads_mixed_formats_and_filters_overlong(files, caplog):
     limit = 14
-    with caplog.at_level(logging.INFO, logger="protocol.dataset"):
+    with caplog.at_level(logging.INFO, logger="protocol.rollout.dataset"):
         ds = RLHFDataset(files, TOK, max_prompt_length=limit)
     lengths = [len(TOK.apply_chat_template(r["raw_prompt"])) for r in rows(15)]
     kept = [i for i, n in enumerate(lengths) if n <= limit]

@@ -8,12 +8,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 from tensordict import TensorDict
 
-from protocol.dataproto import DataProto
+from protocol.batch.dataproto import DataProto
 from protocol.invariants import (BatchView, InvariantViolation, Violation, as_batch_view, assert_invariants,
                                  check_invariants, check_reorder)
-from protocol.keys import new_uid, trajectory_key, trajectory_tag
-from protocol.meta import KVBatchMeta
-from protocol.nested import response_from_nested, to_nested
+from protocol.store.keys import new_uid, trajectory_key, trajectory_tag
+from protocol.store.meta import KVBatchMeta
+from protocol.batch.nested import response_from_nested, to_nested
 
 
 def make_batch(seed: int, n_groups: int = 2, n_sessions: int = 2, n_padding: int = 1):
@@ -255,12 +255,12 @@ def test_docstring_examples_of_algorithm_modules_run():
     """The runnable examples in the module docstrings of the algorithm modules stay true."""
     import doctest
 
-    import protocol.advantage
+    import protocol.algos.advantage
     import protocol.invariants
-    import protocol.kl
-    import protocol.losses
-    import protocol.reward
+    import protocol.algos.kl
+    import protocol.algos.losses
+    import protocol.algos.reward
 
-    for mod in (protocol.advantage, protocol.invariants, protocol.kl, protocol.losses, protocol.reward):
+    for mod in (protocol.algos.advantage, protocol.invariants, protocol.algos.kl, protocol.algos.losses, protocol.algos.reward):
         result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0 and result.attempted > 0, mod.__name__

@@ -4,15 +4,15 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from protocol.advantage import compute_advantage, session_inputs_from_keys
-from protocol.agent_loop.output import AgentLoopOutput
+from protocol.algos.advantage import compute_advantage, session_inputs_from_keys
+from protocol.rollout.agent_loop.output import AgentLoopOutput
 from protocol.invariants import check_invariants
-from protocol.keys import new_uid, trajectory_key, trajectory_tag
-from protocol.kl import FixedKLController, apply_kl_penalty
-from protocol.nested import nested_lengths, response_from_nested, response_to_nested, to_nested
-from protocol.postprocess import postprocess_group
-from protocol.reward import RewardInput, compute_rm_scores, make_reward_manager
-from protocol.tokenizer import CharTokenizer
+from protocol.store.keys import new_uid, trajectory_key, trajectory_tag
+from protocol.algos.kl import FixedKLController, apply_kl_penalty
+from protocol.batch.nested import nested_lengths, response_from_nested, response_to_nested, to_nested
+from protocol.rollout.postprocess import postprocess_group
+from protocol.algos.reward import RewardInput, compute_rm_scores, make_reward_manager
+from protocol.rollout.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 

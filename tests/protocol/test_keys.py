@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.keys import (
+from protocol.store.keys import (
     TERMINAL_STATUSES, IllegalTransitionError, KeyFormatError, PromptStatus, TagError, check_trajectory_tag,
     check_uid, group_of, is_trajectory_key, new_uid, parse_trajectory_key, prompt_tag, trajectory_key,
     trajectory_tag, transition,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.kl import (K3_CLAMP, KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty,
+from protocol.algos.kl import (K3_CLAMP, KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty,
                          make_kl_controller)
 
 floats = st.floats(-30.0, 30.0, allow_nan=False)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.kl import kl_penalty
-from protocol.losses import (LOG_RATIO_BOUND, LOSS_AGG_MODES, agg_loss, entropy_bonus, global_counts, kl_loss,
+from protocol.algos.kl import kl_penalty
+from protocol.algos.losses import (LOG_RATIO_BOUND, LOSS_AGG_MODES, agg_loss, entropy_bonus, global_counts, kl_loss,
                              policy_loss)
 
 HORIZON = 16.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.meta import KVBatchMeta, MetaIndexError, MetaKeyError
+from protocol.store.meta import KVBatchMeta, MetaIndexError, MetaKeyError
 
 
 def _meta(n: int, pid: str = "train") -> KVBatchMeta:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.nested import (
+from protocol.batch.nested import (
     NestedShapeError,
     PackedBatch,
     is_jagged,
@@ -315,8 +315,8 @@ def test_response_values_from_packed_refusals():
 def test_docstring_examples_run():
     import doctest
 
-    import protocol.nested as nested_mod
-    import protocol.serialize as serialize_mod
+    import protocol.batch.nested as nested_mod
+    import protocol.batch.serialize as serialize_mod
 
     for mod in (nested_mod, serialize_mod):
         result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)

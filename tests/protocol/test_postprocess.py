@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.agent_loop.output import AgentLoopOutput
-from protocol.keys import check_trajectory_tag, new_uid, parse_trajectory_key
-from protocol.postprocess import (
+from protocol.rollout.agent_loop.output import AgentLoopOutput
+from protocol.store.keys import check_trajectory_tag, new_uid, parse_trajectory_key
+from protocol.rollout.postprocess import (
     MULTI_MODAL_PREFIX, PostprocessError, TrajectoryBatch, outputs_to_fields, postprocess_group,
     write_trajectories,
 )

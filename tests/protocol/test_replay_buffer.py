@@ -8,13 +8,13 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.agent_loop import AgentLoop, AgentLoopOutput, SingleTurnAgentLoop, register_prompts, run_group
-from protocol.keys import new_uid, parse_trajectory_key, prompt_tag, trajectory_key, trajectory_tag
-from protocol.replay_buffer import (
+from protocol.rollout.agent_loop import AgentLoop, AgentLoopOutput, SingleTurnAgentLoop, register_prompts, run_group
+from protocol.store.keys import new_uid, parse_trajectory_key, prompt_tag, trajectory_key, trajectory_tag
+from protocol.store.replay_buffer import (
     ReplayBuffer, ReplayBufferConfig, ReplayBufferError, SampleTimeoutError, snapshot, staleness,
 )
 from protocol.store import LocalStore
-from protocol.tokenizer import CharTokenizer
+from protocol.rollout.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 FAST = dict(poll_interval=0.002)

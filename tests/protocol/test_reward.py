@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import protocol.reward as reward_module
-from protocol.reward import (NaiveRewardManager, OverlongRewardManager, RewardError, RewardInput, compute_rm_scores,
+import protocol.algos.reward as reward_module
+from protocol.algos.reward import (NaiveRewardManager, OverlongRewardManager, RewardError, RewardInput, compute_rm_scores,
                              exact_match_score, get_scorer, gsm8k_score, known_reward_managers, known_scorers,
                              last_policy_index, make_reward_manager, register_reward_manager, register_scorer)
-from protocol.tokenizer import CharTokenizer
+from protocol.rollout.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 
@@ -77,7 +77,7 @@ def test_builtin_scorers():
     assert gsm8k_score("no answer", "5") == 0.0
     assert exact_match_score(" abc\n", "abc") == 1.0
     assert exact_match_score("abd", "abc") == 0.0
-    # tasks registered in protocol.tasks are scorers too
+    # tasks registered in protocol.rollout.tasks are scorers too
     assert {"gsm8k", "exact_match", "copy", "reverse"} <= set(known_scorers())
     assert get_scorer("exact_match") is exact_match_score
     with pytest.raises(RewardError, match="known data sources"):

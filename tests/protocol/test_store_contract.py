@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from protocol.meta import KVBatchMeta
+from protocol.store.meta import KVBatchMeta
 from protocol.store import (
     FieldOverwriteError,
     FieldShapeError,

@@ -7,12 +7,12 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.tasks import (
+from protocol.rollout.tasks import (
     CopyTask, RepeatTask, ReverseTask, TaskError, char_match_score, get_task, known_tasks, make_rows,
     normalize_response, register_task, score, warmup_token_pairs, write_task_data,
 )
-from protocol.tasks.strings import length_match_score, string_score
-from protocol.tokenizer import CharTokenizer
+from protocol.rollout.tasks.strings import length_match_score, string_score
+from protocol.rollout.tokenizer import CharTokenizer
 
 words = st.text(alphabet="abcdxyz", max_size=12)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.tokenizer import ROLES, CharTokenizer, ChatTemplateError, TokenIdError, load_tokenizer
+from protocol.rollout.tokenizer import ROLES, CharTokenizer, ChatTemplateError, TokenIdError, load_tokenizer
 
 TOK = CharTokenizer()
 table_text = st.text(alphabet=st.sampled_from([chr(c) for c in range(32, 127)] + ["\n", "\t"]), max_size=60)

@@ -1,0 +1,1 @@
+"""Batch containers and shape conversions: DataProto, nested (jagged) <-> padded / packed, serialization."""

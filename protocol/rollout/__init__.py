@@ -1,0 +1,1 @@
+"""How a trajectory is born: dataset rows, tokenizer, tasks, agent loops and post-processing into store fields."""

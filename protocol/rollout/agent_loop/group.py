@@ -1,0 +1,167 @@
+"""Running prompt groups: n concurrent sessions per uid, one batch put of their trajectories, then the group status.
+
+Order of writes for a group (so a reader never sees a terminal status before the data, and nothing of a group is
+written after its status settles):
+
+1. prompt tag ``status = running`` (the tag is created as ``pending`` -> ``running`` when the uid is new);
+2. all ``n`` sessions run concurrently and ALL settle (a session that raises does not cancel the others);
+3. the trajectories of the successful sessions are post-processed and written with ONE ``kv_batch_put``;
+4. the prompt tag gets ``status = finished`` (every session succeeded) or ``failure`` (at least one raised),
+   with ``num_sessions``, ``num_failed_sessions``, ``num_trajectories`` and up to 5 ``errors`` (``num_errors``
+   counts all).
+
+What a failed group's successful trajectories are used for is the replay buffer's ``failure_policy``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Mapping, Sequence
+
+from protocol.rollout.agent_loop.base import AgentLoop
+from protocol.rollout.agent_loop.output import AgentLoopOutput, AgentLoopOutputError
+from protocol.store.keys import PromptStatus, check_uid, prompt_tag, transition
+from protocol.store.meta import KVBatchMeta
+from protocol.rollout.postprocess import postprocess_group, write_trajectories
+
+__all__ = ["register_prompts", "run_group", "run_groups", "MAX_ERRORS_IN_TAG"]
+
+logger = logging.getLogger(__name__)
+
+#: How many session error messages a prompt tag keeps (``num_errors`` counts all of them).
+MAX_ERRORS_IN_TAG = 5
+
+
+def _prompt_status(store: Any, uid: str, partition_id: str) -> tuple[str | None, dict | None]:
+    try:
+        tag = store.kv_batch_get_tags([uid], partition_id)[0]
+    except KeyError:
+        return None, None
+    return tag.get("status"), tag
+
+
+def register_prompts(store: Any, uids: Sequence[str], global_steps: int, partition_id: str = "train") -> KVBatchMeta:
+    """Write the ``pending`` prompt tag of every (new) uid in one put; an existing uid is an error naming it."""
+    uids = [check_uid(u) for u in uids]
+    if len(set(uids)) != len(uids):
+        raise ValueError(f"register_prompts: uids must be unique, got {len(uids) - len(set(uids))} duplicate(s)")
+    if not uids:
+        return KVBatchMeta(partition_id, [], [])
+    present = {k for k in store.kv_list(partition_id).get(partition_id, {})}
+    clash = [u for u in uids if u in present]
+    if clash:
+        raise ValueError(f"register_prompts: uid(s) already in partition {partition_id!r}: {clash[:5]} "
+                         f"({len(clash)} in total); every prompt needs a fresh uid (protocol.store.keys.new_uid)")
+    tag = prompt_tag(global_steps, transition(None, PromptStatus.PENDING))
+    return store.kv_batch_put(uids, partition_id, tags=[dict(tag) for _ in uids])
+
+
+async def _session(agent_loop: AgentLoop, prompt: Any, sampling_params: Mapping[str, Any] | None,
+                   session_id: int, kwargs: Mapping[str, Any]) -> list[AgentLoopOutput]:
+    outputs = await agent_loop.run(prompt, sampling_params, session_id=session_id, **kwargs)
+    if not isinstance(outputs, (list, tuple)) or not outputs:
+        raise AgentLoopOutputError(f"{type(agent_loop).__name__}.run must return a non-empty list of "
+                                   f"AgentLoopOutput, got {outputs!r:.80}")
+    bad = [type(o).__name__ for o in outputs if not isinstance(o, AgentLoopOutput)]
+    if bad:
+        raise AgentLoopOutputError(f"{type(agent_loop).__name__}.run returned non-AgentLoopOutput items {bad[:3]}")
+    return list(outputs)
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+async def run_group(store: Any, uid: str, prompt: Any, n: int, agent_loop: AgentLoop, global_steps: int,
+                    partition_id: str = "train", sampling_params: Mapping[str, Any] | None = None,
+                    **kwargs: Any) -> KVBatchMeta:
+    """Run ``n`` sessions of ``agent_loop`` on ``prompt`` for group ``uid`` and write them to ``store``.
+
+    ``kwargs`` go to every ``agent_loop.run`` call (plus ``session_id``), e.g. ``tools_kwargs``. Returns the
+    KVBatchMeta of the written trajectory keys; ``extra_info`` holds ``uid``, ``status``,
+    ``num_failed_sessions`` and ``errors``. If the group was cleared while its sessions ran, nothing is written,
+    a warning is logged and ``extra_info["status"]`` is ``"cleared"``.
+    """
+    from protocol.store import LateWriteError
+
+    check_uid(uid)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"run_group: n (rollout.n) must be a positive int, got {n!r}")
+    if not isinstance(agent_loop, AgentLoop):
+        raise TypeError(f"run_group: agent_loop must be an AgentLoop, got {type(agent_loop).__name__}")
+    status, _ = _prompt_status(store, uid, partition_id)
+    if status is None:
+        transition(transition(None, PromptStatus.PENDING), PromptStatus.RUNNING)
+        store.kv_batch_put([uid], partition_id, tags=[prompt_tag(global_steps, PromptStatus.RUNNING)])
+    else:
+        transition(status, PromptStatus.RUNNING)
+        store.kv_batch_put([uid], partition_id, tags=[{"status": PromptStatus.RUNNING.value}])
+
+    def settle(final: PromptStatus, extra: dict[str, Any]) -> bool:
+        transition(PromptStatus.RUNNING, final)
+        try:
+            store.kv_batch_put([uid], partition_id, tags=[{"status": final.value, **extra}])
+        except LateWriteError:
+            logger.warning("group %s was cleared from partition %r while its sessions ran; status %s not written",
+                           uid, partition_id, final.value)
+            return False
+        return True
+
+    tasks = [_session(agent_loop, prompt, sampling_params, s, kwargs) for s in range(n)]
+    try:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    except asyncio.CancelledError:  # gather cancelled every session and waited for them to settle
+        settle(PromptStatus.FAILURE, {"num_sessions": n, "num_failed_sessions": n, "num_trajectories": 0,
+                                      "errors": ["CancelledError: run_group was cancelled"], "num_errors": 1})
+        raise
+    ok = {s: r for s, r in enumerate(results) if not isinstance(r, BaseException)}
+    failed = {s: r for s, r in enumerate(results) if isinstance(r, BaseException)}
+    for s, exc in failed.items():
+        if not isinstance(exc, (Exception, asyncio.CancelledError)):
+            raise exc  # KeyboardInterrupt / SystemExit: not a session failure
+        logger.warning("group %s session %d failed: %s", uid, s, _error_text(exc))
+    errors = [f"session {s}: {_error_text(e)}" for s, e in sorted(failed.items())]
+    summary = {"num_sessions": n, "num_failed_sessions": len(failed), "errors": errors[:MAX_ERRORS_IN_TAG],
+               "num_errors": len(errors)}
+    try:
+        batch = postprocess_group(uid, ok, global_steps)
+    except Exception as exc:
+        settle(PromptStatus.FAILURE, {**summary, "num_trajectories": 0,
+                                      "errors": [f"postprocess: {_error_text(exc)}", *errors][:MAX_ERRORS_IN_TAG],
+                                      "num_errors": len(errors) + 1})
+        raise
+    try:
+        meta = write_trajectories(store, partition_id, batch)
+    except LateWriteError:
+        logger.warning("group %s was cleared from partition %r while its sessions ran; %d trajectories dropped",
+                       uid, partition_id, len(batch))
+        return KVBatchMeta(partition_id, [], [], {"uid": uid, "status": "cleared", "num_failed_sessions": len(failed),
+                                                  "errors": errors, "dropped_trajectories": len(batch)})
+    final = PromptStatus.FAILURE if failed else PromptStatus.FINISHED
+    written = settle(final, {**summary, "num_trajectories": len(batch)})
+    return KVBatchMeta(partition_id, meta.keys, meta.tags,
+                       {"uid": uid, "status": final.value if written else "cleared",
+                        "num_failed_sessions": len(failed), "errors": errors})
+
+
+async def run_groups(store: Any, uids: Sequence[str], prompts: Sequence[Any], n: int, agent_loop: AgentLoop,
+                     global_steps: int, partition_id: str = "train",
+                     sampling_params: Mapping[str, Any] | None = None,
+                     row_kwargs: Sequence[Mapping[str, Any]] | None = None) -> list[KVBatchMeta]:
+    """Run :func:`run_group` for every (uid, prompt) concurrently; ``row_kwargs[i]`` go to prompt i's sessions.
+
+    Every group settles before this returns; the first exception that is not a session failure (for example a
+    post-processing error) is re-raised after all groups settled.
+    """
+    if len(uids) != len(prompts):
+        raise ValueError(f"run_groups: {len(uids)} uids but {len(prompts)} prompts; they must be equal")
+    if row_kwargs is not None and len(row_kwargs) != len(prompts):
+        raise ValueError(f"run_groups: row_kwargs has {len(row_kwargs)} entries, expected {len(prompts)}")
+    results = await asyncio.gather(*[
+        run_group(store, u, p, n, agent_loop, global_steps, partition_id, sampling_params,
+                  **(dict(row_kwargs[i]) if row_kwargs is not None else {}))
+        for i, (u, p) in enumerate(zip(uids, prompts))], return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return list(results)

@@ -1,0 +1,364 @@
+"""Prompt datasets: read parquet / json / jsonl rows, filter over-long prompts, collate, and a resumable sampler.
+
+A row as :class:`RLHFDataset` returns it (no final tokenization: the rollout applies the chat template)::
+
+    {"raw_prompt": [{"role": "user", "content": "..."}, ...],   # the message list
+     "data_source": "arith",                                    # routes the reward
+     "extra_info": {"index": 7, "tools_kwargs": {}, "interaction_kwargs": {}, ...the file's extra_info...},
+     "multi_modal_data": {...},                                 # only when the file has images / videos
+     ...every other column as it is (e.g. reward_model)}
+
+File formats: ``.parquet``; ``.json`` holding a list of row objects; ``.jsonl`` with one row object per line
+(blank lines skipped). Several files (mixed formats too) are read in the order given.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["DatasetError", "RLHFDataset", "read_rows", "collate_rows", "PromptSampler", "PromptLoader"]
+
+logger = logging.getLogger(__name__)
+
+_MM_COLUMNS = {"images": "image", "videos": "video", "audios": "audio"}
+
+
+class DatasetError(ValueError):
+    """A data file or row that cannot be used; the message names the file and the row."""
+
+
+def _read_json(path: str) -> list[tuple[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); a .json "
+                           f"data file must hold a list of row objects (use .jsonl for one row per line)") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: a .json data file must hold a list of row objects, got {type(data).__name__}")
+    return [(f"row {i}", row) for i, row in enumerate(data)]
+
+
+def _read_jsonl(path: str) -> list[tuple[str, Any]]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append((f"line {lineno}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}: line {lineno} is not valid JSON ({exc.msg} at column {exc.colno})"
+                                   ) from None
+    return out
+
+
+def _read_parquet(path: str) -> list[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise DatasetError(f"{path}: cannot read as parquet: {type(exc).__name__}: {exc}") from None
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+_READERS: dict[str, Callable[[str], list[tuple[str, Any]]]] = {
+    ".parquet": _read_parquet, ".json": _read_json, ".jsonl": _read_jsonl,
+}
+
+
+def read_rows(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[tuple[str, str, Any]]:
+    """``(file, position, row)`` for every row of ``files`` in order (position: ``row i`` or ``line n``)."""
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    files = [os.fspath(f) for f in files]
+    if not files:
+        raise DatasetError("no data files given (data.train_files / data.val_files is empty)")
+    out = []
+    for path in files:
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in _READERS:
+            raise DatasetError(f"{path}: unsupported data file extension {ext!r}; expected one of {sorted(_READERS)}")
+        if not os.path.isfile(path):
+            raise DatasetError(f"{path}: data file not found")
+        out.extend((path, pos, row) for pos, row in _READERS[ext](path))
+    return out
+
+
+def _check_messages(messages: Any, where: str, prompt_key: str) -> list[dict]:
+    if isinstance(messages, np.ndarray):
+        messages = messages.tolist()
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty list of messages "
+                           f"({{'role': ..., 'content': ...}}), got {type(messages).__name__} {messages!r:.60}")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise DatasetError(f"{where}: {prompt_key}[{j}] must be a message dict, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise DatasetError(f"{where}: {prompt_key}[{j}] needs a string 'role', got {m.get('role')!r}")
+        content = m.get("content")
+        if not isinstance(content, (str, list, tuple)):
+            raise DatasetError(f"{where}: {prompt_key}[{j}] ({m['role']}) needs 'content' as a string or a list of "
+                               f"parts, got {type(content).__name__}")
+        out.append(dict(m))
+    return out
+
+
+class RLHFDataset:
+    """Prompt rows from parquet / json / jsonl files; prompts longer than ``max_prompt_length`` are filtered.
+
+    The length of a prompt is ``len(tokenizer.apply_chat_template(raw_prompt, add_generation_prompt=True))``.
+    The filtered count is logged and kept in ``num_filtered`` (their file positions in ``filtered``).
+    Malformed rows raise :class:`DatasetError` naming the file and row.
+
+    Args:
+        files: one path or a list (formats may be mixed).
+        tokenizer: anything with ``apply_chat_template`` (see :mod:`protocol.rollout.tokenizer`).
+        max_prompt_length: the longest prompt kept, in tokens.
+        prompt_key: the column holding the message list (returned as ``raw_prompt``).
+        filter_overlong_prompts: when False, an over-long prompt is an error instead of being filtered.
+        default_data_source: used for rows without ``data_source`` (None: such a row is an error).
+        max_samples: keep only the first ``max_samples`` rows after filtering (None: all).
+    """
+
+    def __init__(self, files: str | Sequence[str], tokenizer: Any, max_prompt_length: int,
+                 prompt_key: str = "raw_prompt", filter_overlong_prompts: bool = True,
+                 default_data_source: str | None = None, max_samples: int | None = None) -> None:
+        if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1:
+            raise DatasetError(f"data.max_prompt_length must be a positive int, got {max_prompt_length!r}")
+        if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
+                                        or max_samples < 1):
+            raise DatasetError(f"data.max_samples must be a positive int or None, got {max_samples!r}")
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise TypeError(f"RLHFDataset needs a tokenizer with apply_chat_template, got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.prompt_key = prompt_key
+        self.rows: list[dict] = []
+        self.prompt_lengths: list[int] = []
+        self.filtered: list[tuple[str, str, int]] = []
+        for global_index, (path, pos, raw) in enumerate(read_rows(files)):
+            where = f"{path}: {pos}"
+            row = self._normalize(raw, where, global_index, default_data_source)
+            try:
+                length = len(tokenizer.apply_chat_template(row["raw_prompt"], add_generation_prompt=True))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise DatasetError(f"{where}: the chat template rejects {prompt_key!r}: {exc}") from None
+            if length > max_prompt_length:
+                if not filter_overlong_prompts:
+                    raise DatasetError(f"{where}: prompt has {length} tokens > data.max_prompt_length="
+                                       f"{max_prompt_length} (set data.filter_overlong_prompts=true to drop such rows)")
+                self.filtered.append((path, pos, length))
+                continue
+            self.rows.append(row)
+            self.prompt_lengths.append(length)
+        if max_samples is not None:
+            self.rows, self.prompt_lengths = self.rows[:max_samples], self.prompt_lengths[:max_samples]
+        if self.filtered:
+            logger.info("RLHFDataset: filtered %d of %d prompts longer than max_prompt_length=%d tokens",
+                        len(self.filtered), len(self.filtered) + len(self.rows), max_prompt_length)
+        if not self.rows:
+            raise DatasetError(f"no rows left in {files!r} (filtered {len(self.filtered)} over-long prompts with "
+                               f"max_prompt_length={max_prompt_length})")
+
+    @property
+    def num_filtered(self) -> int:
+        """How many rows were dropped as longer than ``max_prompt_length``."""
+        return len(self.filtered)
+
+    def _normalize(self, raw: Any, where: str, global_index: int, default_data_source: str | None) -> dict:
+        if not isinstance(raw, Mapping):
+            raise DatasetError(f"{where}: a row must be an object/dict, got {type(raw).__name__}")
+        if self.prompt_key not in raw:
+            raise DatasetError(f"{where}: missing the prompt column {self.prompt_key!r} (columns: {sorted(raw)})")
+        row = {k: v for k, v in raw.items() if k != self.prompt_key}
+        row["raw_prompt"] = _check_messages(raw[self.prompt_key], where, self.prompt_key)
+        source = raw.get("data_source", default_data_source)
+        if not isinstance(source, str) or not source:
+            raise DatasetError(f"{where}: 'data_source' must be a non-empty string, got {source!r}"
+                               + ("" if "data_source" in raw else " (set a default_data_source to allow rows "
+                                  "without one)"))
+        row["data_source"] = source
+        extra = raw.get("extra_info")
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise DatasetError(f"{where}: 'extra_info' must be an object/dict, got {type(extra).__name__}")
+        extra = dict(extra)
+        extra.setdefault("index", global_index)
+        for name in ("tools_kwargs", "interaction_kwargs"):
+            value = extra.get(name)
+            if value is None:
+                extra[name] = {}
+            elif not isinstance(value, Mapping):
+                raise DatasetError(f"{where}: extra_info.{name} must be an object/dict, got {type(value).__name__}")
+        row["extra_info"] = extra
+        mm = dict(raw.get("multi_modal_data") or {})
+        for column, kind in _MM_COLUMNS.items():
+            if raw.get(column) is not None:
+                mm[kind] = row.pop(column)
+        if mm:
+            row["multi_modal_data"] = mm
+        return row
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        """A copy of row ``index`` (message list, data_source, extra_info, optional multi_modal_data, ...)."""
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"RLHFDataset index must be an int, got {type(index).__name__}")
+        if not -len(self.rows) <= index < len(self.rows):
+            raise IndexError(f"RLHFDataset index {index} out of range for {len(self.rows)} rows")
+        return copy.deepcopy(self.rows[int(index)])
+
+
+def collate_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Batch rows: tensor columns stacked along dim 0, every other column a 1-D numpy object array.
+
+    All rows must have the same columns; a column missing from a row is an error naming it.
+    """
+    rows = list(rows)
+    if not rows:
+        raise DatasetError("collate_rows: got no rows")
+    names = list(rows[0])
+    for i, r in enumerate(rows):
+        if set(r) != set(names):
+            missing, extra = sorted(set(names) - set(r)), sorted(set(r) - set(names))
+            raise DatasetError(f"collate_rows: row {i} has different columns than row 0 (missing {missing}, "
+                               f"extra {extra})")
+    out: dict[str, Any] = {}
+    for name in names:
+        values = [r[name] for r in rows]
+        if all(isinstance(v, torch.Tensor) for v in values):
+            out[name] = torch.stack(values)
+        else:
+            arr = np.empty(len(values), dtype=object)
+            for i, v in enumerate(values):
+                arr[i] = v
+            out[name] = arr
+    return out
+
+
+@dataclass
+class PromptSampler:
+    """Batches of dataset indices in a per-epoch order fixed by ``seed``; resumable through ``state_dict``.
+
+    Epoch ``e`` uses the permutation ``numpy.random.default_rng([seed, e]).permutation(num_samples)`` (or
+    ``0..n-1`` without shuffle). ``drop_last`` drops the incomplete final batch of an epoch. :meth:`next_batch`
+    never ends (it moves on to the next epoch). After ``load_state_dict(s.state_dict())`` the batches equal those
+    the saved sampler would have produced.
+    """
+
+    num_samples: int
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DatasetError(f"PromptSampler.{name} must be a positive int, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise DatasetError(f"PromptSampler.seed must be a non-negative int, got {self.seed!r}")
+        if self.drop_last and self.batch_size > self.num_samples:
+            raise DatasetError(f"data batch size {self.batch_size} exceeds the dataset size {self.num_samples} with "
+                               f"drop_last=True: no batch could ever be formed")
+        self.epoch = 0
+        self.position = 0  # batches consumed in the current epoch
+        self._order: np.ndarray | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches in one epoch (the incomplete last one counts only without ``drop_last``)."""
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The index order of ``epoch``."""
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def next_batch(self) -> list[int]:
+        """The next batch of indices (moving to the next epoch when this one is used up)."""
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+            self._order = None
+        if self._order is None:
+            self._order = self.epoch_order(self.epoch)
+        start = self.position * self.batch_size
+        batch = self._order[start:start + self.batch_size].tolist()
+        self.position += 1
+        return batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """The remaining batches of the current epoch."""
+        while self.position < self.batches_per_epoch:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """JSON-able position (epoch, batches consumed) plus the settings that fix the order."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_samples": self.num_samples,
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; a state from a different seed, dataset size or batch size is refused."""
+        for name in ("seed", "num_samples", "batch_size", "shuffle", "drop_last"):
+            if name in state and state[name] != getattr(self, name):
+                raise DatasetError(f"sampler state has {name}={state[name]!r} but this sampler has "
+                                   f"{name}={getattr(self, name)!r}; resuming would change the data order")
+        epoch, position = state.get("epoch"), state.get("position")
+        for name, value in (("epoch", epoch), ("position", position)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise DatasetError(f"sampler state {name} must be a non-negative int, got {value!r}")
+        if position > self.batches_per_epoch:
+            raise DatasetError(f"sampler state position {position} exceeds {self.batches_per_epoch} batches per epoch")
+        self.epoch, self.position, self._order = epoch, position, None
+
+
+class PromptLoader:
+    """Collated batches of a dataset in :class:`PromptSampler` order; ``state_dict`` resumes the order exactly."""
+
+    def __init__(self, dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
+                 collate_fn: Callable[[list], Any] = collate_rows) -> None:
+        self.dataset = dataset
+        self.sampler = PromptSampler(len(dataset), batch_size, seed, shuffle, drop_last)
+        self.collate_fn = collate_fn
+
+    def __len__(self) -> int:
+        return self.sampler.batches_per_epoch
+
+    def next_batch(self) -> Any:
+        """The next collated batch (never ends; epochs roll over)."""
+        return self.collate_fn([self.dataset[i] for i in self.sampler.next_batch()])
+
+    def __iter__(self) -> Iterator[Any]:
+        """The remaining batches of the current epoch."""
+        for idx in self.sampler:
+            yield self.collate_fn([self.dataset[i] for i in idx])
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch of the sampler."""
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state (see :meth:`PromptSampler.state_dict`)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the sampler (see :meth:`PromptSampler.load_state_dict`)."""
+        self.sampler.load_state_dict(state)

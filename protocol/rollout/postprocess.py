@@ -1,0 +1,139 @@
+"""Post-processing: turn a prompt group's AgentLoopOutputs into trajectory keys, jagged fields and tags.
+
+Per output ``index`` of session ``session_id`` of group ``uid`` the key is ``{uid}_{session_id}_{index}`` and the
+fields are (jagged = one variable-length row per trajectory, ``torch.jagged`` layout):
+
+======================== ======= =============== =====================================================
+field                    dtype   length          value
+======================== ======= =============== =====================================================
+prompts                  int64   prompt_len      prompt token ids
+responses                int64   response_len    response token ids (generations and observations)
+input_ids                int64   seq_len         prompts ⧺ responses
+position_ids             int64   seq_len         0 .. seq_len - 1
+response_mask            int64   response_len    1 = policy token, 0 = observation
+loss_mask                int64   response_len    = response_mask
+rollout_log_probs        float32 response_len    sampling log-probs (only when every output has them)
+reward_score             float32 dense [n]       environment score (only when every output has one)
+multi_modal_inputs.NAME  any     first dim varies processor tensor NAME (only when every output has it)
+======================== ======= =============== =====================================================
+
+Tags: :func:`protocol.store.keys.trajectory_tag` plus ``num_turns`` and ``truncated`` (from ``extra_fields``).
+A field present on some outputs of a batch and absent on others is an error, never silently dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+from tensordict import TensorDict
+
+from protocol.store.keys import check_uid, trajectory_key, trajectory_tag
+from protocol.batch.nested import to_nested
+
+if TYPE_CHECKING:  # runtime import would be circular (agent_loop.group imports this module)
+    from protocol.rollout.agent_loop.output import AgentLoopOutput
+
+__all__ = ["MULTI_MODAL_PREFIX", "PostprocessError", "TrajectoryBatch", "outputs_to_fields", "postprocess_group",
+           "write_trajectories"]
+
+
+#: Field-name prefix of the processor tensors of multimodal prompts (``multi_modal_inputs.pixel_values``, ...).
+MULTI_MODAL_PREFIX = "multi_modal_inputs."
+
+
+class PostprocessError(ValueError):
+    """Outputs that cannot be written as one batch (inconsistent optional fields, bad session ids)."""
+
+
+@dataclass
+class TrajectoryBatch:
+    """What one ``kv_batch_put`` writes: ``keys``, their jagged ``fields`` (batch dim = len(keys)) and ``tags``."""
+
+    keys: list[str]
+    fields: TensorDict | None
+    tags: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _all_or_none(outputs: Sequence["AgentLoopOutput"], attr: str) -> bool:
+    have = [getattr(o, attr) is not None for o in outputs]
+    if any(have) and not all(have):
+        missing = [i for i, h in enumerate(have) if not h]
+        raise PostprocessError(f"{attr} is set on {sum(have)} of {len(have)} outputs but missing on outputs "
+                               f"{missing[:5]}; it must be set on all outputs of a batch or on none")
+    return bool(have) and all(have)
+
+
+def outputs_to_fields(outputs: Sequence["AgentLoopOutput"]) -> TensorDict:
+    """The jagged trajectory fields of ``outputs`` (batch dim = len(outputs)); see the module table."""
+    outputs = list(outputs)
+    if not outputs:
+        raise PostprocessError("outputs_to_fields needs at least one AgentLoopOutput, got none")
+    prompts = [o.prompt_ids for o in outputs]
+    responses = [o.response_ids for o in outputs]
+    masks = [o.response_mask for o in outputs]
+    input_ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+    fields: dict[str, Any] = {
+        "prompts": to_nested(prompts),
+        "responses": to_nested(responses),
+        "input_ids": to_nested(input_ids),
+        "position_ids": to_nested([torch.arange(x.numel(), dtype=torch.int64) for x in input_ids]),
+        "response_mask": to_nested(masks),
+        "loss_mask": to_nested([m.clone() for m in masks]),
+    }
+    if _all_or_none(outputs, "response_logprobs"):
+        fields["rollout_log_probs"] = to_nested([o.response_logprobs for o in outputs])
+    if _all_or_none(outputs, "reward_score"):
+        fields["reward_score"] = torch.tensor([o.reward_score for o in outputs], dtype=torch.float32)
+    if _all_or_none(outputs, "multi_modal_inputs"):
+        names = sorted(outputs[0].multi_modal_inputs)
+        for i, o in enumerate(outputs):
+            if sorted(o.multi_modal_inputs) != names:
+                raise PostprocessError(f"multi_modal_inputs of output {i} has keys {sorted(o.multi_modal_inputs)}, "
+                                       f"output 0 has {names}; they must match")
+        for k in names:  # flat names: the store keeps one level of fields
+            fields[f"{MULTI_MODAL_PREFIX}{k}"] = to_nested([o.multi_modal_inputs[k] for o in outputs])
+    return TensorDict(fields, batch_size=[len(outputs)])
+
+
+def _tag(o: "AgentLoopOutput", global_steps: int) -> dict[str, Any]:
+    extra = o.extra_fields
+    tag = trajectory_tag(o.prompt_len, o.response_len, global_steps,
+                         extra.get("min_global_steps"), extra.get("max_global_steps"))
+    tag["num_turns"] = int(o.num_turns)
+    tag["truncated"] = bool(extra.get("truncated", False))
+    return tag
+
+
+def postprocess_group(uid: str, session_outputs: Mapping[int, Sequence["AgentLoopOutput"]],
+                      global_steps: int) -> TrajectoryBatch:
+    """Keys ``{uid}_{session}_{index}``, fields and tags of every output of every session of group ``uid``.
+
+    ``session_outputs`` maps session_id -> the list that session returned (sessions in ascending order in the
+    result). A group with no outputs gives an empty batch (``fields=None``).
+    """
+    check_uid(uid)
+    keys, tags, flat = [], [], []
+    for session_id in sorted(session_outputs):
+        if isinstance(session_id, bool) or not isinstance(session_id, int) or session_id < 0:
+            raise PostprocessError(f"session ids must be non-negative ints, got {session_id!r} for group {uid!r}")
+        for index, out in enumerate(session_outputs[session_id]):
+            if not hasattr(out, "response_mask") or not hasattr(out, "prompt_ids"):
+                raise PostprocessError(f"session {session_id} of group {uid!r} returned {type(out).__name__} at "
+                                       f"index {index}; expected AgentLoopOutput")
+            keys.append(trajectory_key(uid, session_id, index))
+            tags.append(_tag(out, global_steps))
+            flat.append(out)
+    return TrajectoryBatch(keys, outputs_to_fields(flat) if flat else None, tags)
+
+
+def write_trajectories(store: Any, partition_id: str, batch: TrajectoryBatch) -> Any:
+    """Write ``batch`` with ONE ``store.kv_batch_put`` and return its KVBatchMeta (nothing written when empty)."""
+    if not batch.keys:
+        from protocol.store.meta import KVBatchMeta
+
+        return KVBatchMeta(partition_id, [], [])
+    return store.kv_batch_put(batch.keys, partition_id, fields=batch.fields, tags=batch.tags)

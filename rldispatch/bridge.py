@@ -1,0 +1,62 @@
+"""Store-aware engine calls: hand an engine a KVBatchMeta, get the meta back with the outputs written.
+
+The bridge fetches just the fields a method needs, calls the engine on a :class:`backends.base.Share`, and
+writes the outputs under the same keys. Only the reporting rank of each DP replica writes, so no output is
+written twice.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from tensordict import TensorDict
+
+from backends.base import Engine, Share
+from protocol.store.meta import KVBatchMeta
+from rldispatch.dataplane import ShardedStore
+
+__all__ = ["StoreBridge", "INFER_FIELDS", "train_fields"]
+
+INFER_FIELDS = ("input_ids", "response_mask")
+
+
+def train_fields(use_kl_loss: bool) -> tuple[str, ...]:
+    """The fields ``train_batch`` reads: the reference log-probs only when the KL loss is on."""
+    base = ("input_ids", "response_mask", "old_log_probs", "advantages")
+    return base + (("ref_log_prob",) if use_kl_loss else ())
+
+
+class StoreBridge:
+    """Binds one engine to the data plane. Every rank calls each method (the fetch is a collective)."""
+
+    def __init__(self, engine: Engine, store: ShardedStore):
+        self.engine = engine
+        self.store = store
+
+    def fetch_infer_inputs(self, meta: KVBatchMeta) -> TensorDict:
+        """The fields ``infer_batch`` reads, fetched once so several engines can score the same share."""
+        return self.store.fetch(meta.keys, meta.partition_id, INFER_FIELDS)
+
+    def infer(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, outputs: dict[str, str],
+              temperature: float = 1.0, with_entropy: bool = False, data: TensorDict | None = None) -> KVBatchMeta:
+        """Run ``infer_batch`` on this rank's ``meta``; write engine field ``k`` as store field ``outputs[k]``.
+
+        ``data`` = :meth:`fetch_infer_inputs` of the same meta, when the caller already holds it (no second fetch).
+        """
+        if data is None:
+            data = self.fetch_infer_inputs(meta)
+        result = None
+        if len(meta):
+            result = self.engine.infer_batch(Share(data, [list(mb) for mb in micro_batches]),
+                                             temperature=temperature, with_entropy=with_entropy)
+        if result is not None and self.engine.is_reporting_rank and len(meta):
+            out = {outputs[k]: result.get(k) for k in outputs if k in result.keys()}
+            self.store.kv_batch_put(meta.keys, meta.partition_id, TensorDict(out, batch_size=[len(meta)]))
+        return meta
+
+    def train(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, use_kl_loss: bool) -> dict:
+        """One optimizer step on this rank's mini-batch share; returns the engine's metrics."""
+        data = self.store.fetch(meta.keys, meta.partition_id, train_fields(use_kl_loss))
+        # padding samples are known by their tag; the engine counts them zero in every normaliser
+        data.set("is_padding", torch.tensor([bool(t.get("is_padding", False)) for t in meta.tags], dtype=torch.bool))
+        return self.engine.train_batch(Share(data, [list(mb) for mb in micro_batches]))

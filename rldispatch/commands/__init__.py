@@ -1,0 +1,1 @@
+"""The ``rldispatch`` subcommands; each module has ``main(argv) -> exit code`` and a thin wrapper in ``scripts/``."""

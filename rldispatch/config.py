@@ -1,0 +1,287 @@
+"""The run's typed configuration: YAML + dot-list overrides, validated once at start-up."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from backends.config import EngineConfig, FSDPConfig, MegatronConfig, OptimConfig, PolicyLossConfig
+from backends.model.config import ModelConfig
+from rldispatch.schema import ConfigError, build_dataclass
+
+__all__ = ["RunConfig", "load_config", "ConfigError"]
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["data/repeat/train.parquet"])
+    val_files: list[str] = field(default_factory=lambda: ["data/repeat/val.parquet"])
+    task: str = "repeat"  # generated on first use when the files are missing (scripts/make_task_data.py)
+    train_size: int = 2048
+    val_size: int = 64
+    tokenizer: str = "char"
+    max_prompt_length: int = 64
+    filter_overlong_prompts: bool = True  # false: an over-long prompt is an error instead of being dropped
+    max_response_length: int = 8
+    train_batch_size: int = 16  # prompts per step
+    val_batch_size: int = 16
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8  # sessions per prompt (GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    agent_loop: str = "single_turn"  # single_turn | tool
+    max_turns: int = 4
+    log_prob_mode: str = "recompute"  # recompute (engine) | bypass (the rollout's own log-probs)
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class BalanceConfig:
+    enabled: bool = True
+    group_level: bool = False  # keep each GRPO group on one DP rank
+    hidden_size: int | None = None  # workload coefficients derive from it; None = model.hidden_size
+
+
+@dataclass
+class ActorConfig:
+    backend: str = "fsdp"  # fsdp | megatron
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    micro_batch_size_per_gpu: int = 8
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 2048
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+
+
+@dataclass
+class RefConfig:
+    enabled: bool = True  # a frozen copy of the initial policy
+
+
+@dataclass
+class ReplayConfig:
+    failure_policy: str = "drop"  # drop | keep_successful
+    off_policy_strategy: str = "drop"
+    max_off_policy_threshold: int = 8
+    parameter_sync_step: int = 1
+    sample_timeout_s: float = 600.0
+
+
+@dataclass
+class TrainerSection:
+    total_steps: int = 300
+    run_dir: str = "runs/grpo_tiny"
+    save_freq: int = 0  # 0 = only at the end
+    resume: str = "never"  # never | auto | a checkpoint folder
+    val_freq: int = 0  # 0 = before the first and after the last step only
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class TraceConfig:
+    enabled: bool = False
+    path: str = ""  # default: {run_dir}/trace.jsonl
+
+
+@dataclass
+class DebugConfig:
+    check_invariants: bool = False  # run protocol.invariants after every stage (slow; for debugging)
+    inject_rollout_failures: float = 0.0  # fraction of prompt groups whose session 0 raises (tests the failure policy)
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's view of this run."""
+        loss = self.actor.loss
+        if loss.horizon is None:  # seq-mean-token-sum-norm divides by a fixed horizon: the longest response
+            loss = dataclasses.replace(loss, horizon=self.data.max_response_length)
+        # the update scores tokens at the temperature they were sampled (and their old log-probs computed) with
+        loss = dataclasses.replace(loss, temperature=self.rollout.temperature)
+        optim = self.actor.optim
+        if optim.total_steps is None:  # every step makes train_batch_size / ppo_mini_batch_size updates per epoch
+            per_step = self.data.train_batch_size // self.actor.ppo_mini_batch_size * self.actor.ppo_epochs
+            optim = dataclasses.replace(optim, total_steps=self.trainer.total_steps * per_step)
+        return EngineConfig(
+            model=self.model, optim=optim, loss=loss, fsdp=self.actor.fsdp,
+            megatron=self.actor.megatron, seed=self.trainer.seed,
+            max_token_len_per_gpu=self.actor.max_token_len_per_gpu if self.actor.use_dynamic_bsz else None,
+        )
+
+    def topology_config(self) -> dict[str, Any]:
+        """The parallel degrees for ``dispatch.Topology.from_config`` (the rest of the section is engine-only)."""
+        if self.actor.backend == "fsdp":
+            f = self.actor.fsdp
+            return {"backend": "fsdp", "ulysses_sp": f.ulysses_sp, "fsdp_size": f.fsdp_size}
+        m = self.actor.megatron
+        return {"backend": "megatron", "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "cp": m.cp, "ep": m.ep, "etp": m.etp,
+                "dynamic_cp": m.dynamic_cp}
+
+
+_CHOICES = {
+    "actor.backend": ("fsdp", "megatron"),
+    "rollout.agent_loop": ("single_turn", "tool"),
+    "rollout.log_prob_mode": ("recompute", "bypass"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "replay.failure_policy": ("drop", "keep_successful"),
+    "replay.off_policy_strategy": ("drop", "wait"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+}
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Cross-field checks that no single section can make; each error names the keys to change."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key} must be one of {list(choices)}, got {_get(cfg, key)!r}")
+    positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
+                "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.micro_batch_size_per_gpu",
+                "actor.max_token_len_per_gpu", "trainer.total_steps"]
+    for key in positive:
+        value = _get(cfg, key)
+        if value <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {value}")
+    a, d = cfg.actor, cfg.data
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size ({d.train_batch_size}) must be a multiple of actor.ppo_mini_batch_size "
+            f"({a.ppo_mini_batch_size}) prompts: each step makes train_batch_size / ppo_mini_batch_size optimizer steps"
+        )
+    from protocol.algos.advantage import known_advantages
+
+    critic_free = [n for n in known_advantages() if n != "gae"]
+    if cfg.algorithm.adv_estimator not in critic_free:
+        hint = " (gae needs a critic's values, which this trainer does not run)" \
+            if cfg.algorithm.adv_estimator == "gae" else ""
+        raise ConfigError(f"algorithm.adv_estimator must be one of {critic_free}, got "
+                          f"{cfg.algorithm.adv_estimator!r}{hint}")
+    if cfg.actor.loss.temperature not in (1.0, cfg.rollout.temperature):
+        raise ConfigError(
+            f"actor.loss.temperature ({cfg.actor.loss.temperature}) differs from rollout.temperature "
+            f"({cfg.rollout.temperature}); the update always scores tokens at the rollout's temperature, so leave "
+            f"actor.loss.temperature unset")
+    if cfg.algorithm.use_kl_in_reward and not cfg.ref.enabled:
+        raise ConfigError("algorithm.use_kl_in_reward=true needs the reference policy: set ref.enabled=true")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    seq_budget = d.max_prompt_length + d.max_response_length
+    if a.use_dynamic_bsz and a.max_token_len_per_gpu < seq_budget:
+        raise ConfigError(
+            f"actor.max_token_len_per_gpu ({a.max_token_len_per_gpu}) is smaller than one full sequence "
+            f"(data.max_prompt_length + data.max_response_length = {seq_budget}); raise it"
+        )
+    if seq_budget > cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {seq_budget} exceeds "
+            f"model.max_position_embeddings ({cfg.model.max_position_embeddings})"
+        )
+    return cfg
+
+
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A YAML path, or the name of a shipped config (``grpo_tiny``): package data, usable from any folder."""
+    p = Path(path)
+    if p.exists() or p.suffix in (".yaml", ".yml") or "/" in str(path):
+        return p
+    shipped = SHIPPED_CONFIGS / f"{p.name}.yaml"
+    if shipped.exists():
+        return shipped
+    known = sorted(f.stem for f in SHIPPED_CONFIGS.glob("*.yaml"))
+    raise ConfigError(f"--config {path}: no such file, and no shipped config of that name (shipped: {known})")
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read YAML (optional), apply ``key=value`` overrides, and return the validated typed config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = resolve_config_path(path) if path else None
+    try:
+        base = OmegaConf.load(str(path)) if path else OmegaConf.create({})
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--config {path}: no such file") from exc
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. actor.backend=megatron)")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot read the configuration: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    cfg = build_dataclass(RunConfig, data)
+    if cfg.model.hf_path:
+        cfg.model = _checkpoint_architecture(cfg.model, set((data.get("model") or {}).keys()))
+    return validate(cfg)
+
+
+def _checkpoint_architecture(model: ModelConfig, given: set[str]) -> ModelConfig:
+    """With ``model.hf_path`` the checkpoint's config.json defines the architecture; given keys must agree with it."""
+    from backends.model.hf import HFCheckpointError, read_hf_config
+
+    try:
+        found = read_hf_config(model.hf_path)
+    except HFCheckpointError as exc:
+        raise ConfigError(str(exc)) from exc
+    clash = sorted(k for k in given - {"hf_path", "init_std"} if getattr(model, k) != getattr(found, k))
+    if clash:
+        raise ConfigError(
+            f"model.hf_path={model.hf_path!r}: " + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in clash)
+            + " disagree with its config.json (" + ", ".join(f"{k}={getattr(found, k)!r}" for k in clash)
+            + "); remove these keys, the checkpoint defines the architecture")
+    return found

@@ -1,0 +1,222 @@
+"""The cross-rank data plane: keys and tags replicated on every rank, values moved point to point.
+
+Every rank keeps the values it produced in its own local store. Tags and the location of every (key, field)
+are replicated by :meth:`ShardedStore.sync` (metadata only). :meth:`ShardedStore.fetch` is a collective in which
+each rank asks for the values it needs; each value travels once, from the rank that holds it straight to the
+rank that asked — never through one central rank.
+"""
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from protocol.batch.nested import to_nested
+
+__all__ = ["ShardedStore", "DataPlaneError"]
+
+
+class DataPlaneError(KeyError):
+    """A key or field asked of the data plane that no rank holds."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+def _rows(td: TensorDict, field: str, n: int) -> list[torch.Tensor]:
+    value = td.get(field)
+    if getattr(value, "is_nested", False):
+        return list(value.unbind())
+    return [value[i] for i in range(n)]
+
+
+def _assemble(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-key tensors -> one batch field: 0-d per key stacks dense, anything with a length stays jagged."""
+    if rows and rows[0].dim() == 0:
+        return torch.stack(rows)
+    return to_nested(rows)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class ShardedStore:
+    """A store view spanning all ranks: local values, replicated tags and locations, point-to-point fetch.
+
+    ``local`` is this rank's :class:`protocol.LocalStore`. Methods named like the store verbs act locally and are
+    safe to call from any subset of ranks; :meth:`sync` and :meth:`fetch` are collectives over ``group``.
+    """
+
+    def __init__(self, local: Any, group: Any = None, device: torch.device | str = "cpu"):
+        self.local = local
+        self.group = group
+        self.device = torch.device(device)
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self._tags: dict[str, dict[str, dict]] = defaultdict(dict)
+        self._where: dict[tuple[str, str], dict[str, int]] = {}
+        self._pending: list[tuple[str, list[str], list[dict] | None, list[str]]] = []
+        self.bytes_received = 0
+        self.bytes_sent = 0
+
+    # ---- local verbs ------------------------------------------------------------------------------------
+    def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: TensorDict | None = None,
+                     tags: Sequence[dict] | None = None, overwrite: bool = False):
+        """Write values into this rank's store; tags and locations reach other ranks at the next :meth:`sync`."""
+        meta = self.local.kv_batch_put(list(keys), partition_id, fields=fields, tags=list(tags) if tags else None,
+                                       overwrite=overwrite)
+        names = list(fields.keys()) if fields is not None else []
+        self._pending.append((partition_id, list(keys), [dict(t) for t in tags] if tags else None, names))
+        self._apply(self.rank, self._pending[-1])
+        return meta
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+        """Tags of every key on every rank as of the last :meth:`sync` (plus this rank's own later writes).
+
+        Keys come sorted, so every rank lists them in the same order (each rank learns its own writes first and
+        the others' at sync; a plan built from insertion order would differ between ranks)."""
+        parts = [partition_id] if partition_id is not None else sorted(self._tags)
+        return {p: {k: dict(self._tags[p][k]) for k in sorted(self._tags.get(p, {}))} for p in parts}
+
+    def kv_clear(self, keys: Sequence[str], partition_id: str) -> int:
+        """Drop keys everywhere they are known; every rank calls this with the same keys (deterministic).
+
+        Returns how many of the keys were known (had a tag) before the call."""
+        keys = list(keys)
+        if keys:  # keys this rank never held are skipped by the local store, and marked cleared here too
+            self.local.kv_clear(keys, partition_id)
+        tags = self._tags.get(partition_id, {})
+        gone = set(keys)
+        self._pending = [  # unsynced writes of cleared keys must not resurrect them on other ranks
+            (p, [k for k in ks if not (p == partition_id and k in gone)],
+             None if ts is None else [t for k, t in zip(ks, ts) if not (p == partition_id and k in gone)], names)
+            for p, ks, ts, names in self._pending]
+        known = 0
+        for k in keys:
+            known += tags.pop(k, None) is not None
+            self._where.pop((partition_id, k), None)
+        return known
+
+    def tags_of(self, keys: Sequence[str], partition_id: str) -> list[dict]:
+        tags = self._tags.get(partition_id, {})
+        missing = [k for k in keys if k not in tags]
+        if missing:
+            raise DataPlaneError(f"{len(missing)} key(s) have no tag in partition {partition_id!r}: {missing[:5]}")
+        return [dict(tags[k]) for k in keys]
+
+    kv_batch_get_tags = tags_of  # the store verb, so protocol code (agent loop, replay buffer) runs on this view
+
+    def location(self, key: str, field: str, partition_id: str) -> int:
+        try:
+            return self._where[(partition_id, key)][field]
+        except KeyError:
+            raise DataPlaneError(f"field {field!r} of key {key!r} (partition {partition_id!r}) is held by no rank") \
+                from None
+
+    def num_keys(self) -> int:
+        return sum(len(v) for v in self._tags.values())
+
+    # ---- collectives ------------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Replicate the tags and value locations written since the last sync (all ranks call it)."""
+        pending, self._pending = self._pending, []
+        if self.world == 1:
+            return
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, pending, group=self.group)
+        for src, updates in enumerate(gathered):
+            if src == self.rank:
+                continue
+            for update in updates:
+                self._apply(src, update)
+
+    def fetch(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
+        """Collective: every rank gets the ``fields`` of its own ``keys`` (possibly none), in the order asked."""
+        keys, fields = list(keys), list(fields)
+        for key in keys:
+            for f in fields:
+                self.location(key, f, partition_id)  # fail before the collective names the culprit
+        requests: list[Any] = [None] * self.world
+        mine = (partition_id, keys, fields)
+        if self.world > 1:
+            dist.all_gather_object(requests, mine, group=self.group)
+        else:
+            requests = [mine]
+        outgoing: list[dict | None] = [None] * self.world
+        for dst, (part, want, names) in enumerate(requests):
+            by_field = defaultdict(list)
+            for key in want:
+                for f in names:
+                    if self._where[(part, key)][f] == self.rank:
+                        by_field[f].append(key)
+            if not by_field:
+                continue
+            payload = {}
+            for f, ks in by_field.items():
+                td = self.local.kv_batch_get(ks, part, select_fields=[f])
+                payload[f] = dict(zip(ks, _rows(td, f, len(ks))))
+            outgoing[dst] = payload
+        received = self._exchange(outgoing)
+        values: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        for payload in received:
+            for f, per_key in (payload or {}).items():
+                values[f].update(per_key)
+        out = {f: _assemble([values[f][k] for k in keys]) for f in fields} if keys else {}
+        return TensorDict(out, batch_size=[len(keys)])
+
+    # ---- internals --------------------------------------------------------------------------------------
+    def _apply(self, src: int, update: tuple[str, list[str], list[dict] | None, list[str]]) -> None:
+        partition_id, keys, tags, names = update
+        view = self._tags[partition_id]
+        for i, key in enumerate(keys):
+            if tags is not None:
+                view.setdefault(key, {}).update(tags[i])
+            else:
+                view.setdefault(key, {})
+            if names:
+                loc = self._where.setdefault((partition_id, key), {})
+                for f in names:
+                    loc[f] = src
+
+    def _exchange(self, outgoing: list[dict | None]) -> list[dict | None]:
+        """Send ``outgoing[dst]`` to each rank; return what each rank sent here (index = source)."""
+        received: list[dict | None] = [None] * self.world
+        received[self.rank] = outgoing[self.rank]
+        if self.world == 1:
+            return received
+        blobs = [_dumps(p) if (p is not None and dst != self.rank) else b"" for dst, p in enumerate(outgoing)]
+        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=self.device)
+        matrix = [torch.zeros_like(sizes) for _ in range(self.world)]
+        dist.all_gather(matrix, sizes, group=self.group)
+        ops, inbox = [], {}
+        for src in range(self.world):
+            n = int(matrix[src][self.rank])
+            if src != self.rank and n:
+                inbox[src] = torch.empty(n, dtype=torch.uint8, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, inbox[src], self._global(src), group=self.group))
+        for dst, blob in enumerate(blobs):
+            if blob:
+                t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
+                ops.append(dist.P2POp(dist.isend, t, self._global(dst), group=self.group))
+                self.bytes_sent += len(blob)
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        for src, buf in inbox.items():
+            self.bytes_received += buf.numel()
+            received[src] = _loads(buf.cpu().numpy().tobytes())
+        return received
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

@@ -1,8 +1,0 @@
-"""The cross-rank data plane under torchrun (gloo): see tests/dist/trainer_dataplane_worker.py."""
-import pytest
-
-
-@pytest.mark.dist
-def test_dataplane_two_ranks(torchrun):
-    out = torchrun("trainer_dataplane_worker.py", 2)
-    assert "DATAPLANE OK" in out
