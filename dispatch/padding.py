@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 from tensordict import TensorDict
 
+from protocol.fields import DENSE_FIELDS, FLOAT_FIELDS, INT_FIELDS
 from protocol.store.keys import trajectory_key, trajectory_tag
 from protocol.batch.nested import nested_from_values
 
@@ -39,12 +40,6 @@ __all__ = [
 ]
 
 PADDING_UID_PREFIX = "pad-"
-# field -> length kind ("prompt" 1, "response" 1, "seq" 2); value builders below follow the shared contract.
-INT_FIELDS: dict[str, str] = {"prompts": "prompt", "responses": "response", "input_ids": "seq",
-                              "position_ids": "seq", "response_mask": "response", "loss_mask": "response"}
-FLOAT_FIELDS: tuple[str, ...] = ("rollout_log_probs", "old_log_probs", "entropy", "ref_log_prob", "rm_scores",
-                                 "token_level_scores", "token_level_rewards", "advantages", "returns", "values")
-DENSE_FIELDS: tuple[str, ...] = ("reward_score", "is_padding")
 _LEN = {"prompt": 1, "response": 1, "seq": 2}
 
 

@@ -42,6 +42,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from protocol.fields import (
+    DENSE_FIELDS, MASK_FIELDS, MASKED_ZERO_FIELDS, PROMPT_FIELDS, RESPONSE_FIELDS, SEQUENCE_FIELDS,
+)
 from protocol.store.keys import KeyFormatError, TagError, check_trajectory_tag, parse_trajectory_key
 
 __all__ = [
@@ -60,15 +63,6 @@ __all__ = [
     "check_reorder",
 ]
 
-PROMPT_FIELDS: tuple[str, ...] = ("prompts",)
-SEQUENCE_FIELDS: tuple[str, ...] = ("input_ids", "position_ids")
-MASK_FIELDS: tuple[str, ...] = ("response_mask", "loss_mask")
-RESPONSE_FIELDS: tuple[str, ...] = ("responses", *MASK_FIELDS, "rollout_log_probs", "old_log_probs", "entropy",
-                                    "ref_log_prob", "rm_scores", "token_level_scores", "token_level_rewards",
-                                    "advantages", "returns", "values")
-MASKED_ZERO_FIELDS: tuple[str, ...] = ("rm_scores", "token_level_scores", "token_level_rewards", "advantages",
-                                       "returns")
-DENSE_FIELDS: tuple[str, ...] = ("reward_score", "is_padding")
 _KEY_COLUMNS = ("key", "keys", "trajectory_key")
 _TAG_COLUMNS = ("tag", "tags")
 

@@ -12,18 +12,18 @@ import torch
 from tensordict import TensorDict
 
 from backends.base import Engine, Share
+from protocol.fields import INFER_INPUT_FIELDS, TRAIN_INPUT_FIELDS
 from protocol.store.meta import KVBatchMeta
 from rldispatch.dataplane import ShardedStore
 
 __all__ = ["StoreBridge", "INFER_FIELDS", "train_fields"]
 
-INFER_FIELDS = ("input_ids", "response_mask")
+INFER_FIELDS = INFER_INPUT_FIELDS
 
 
 def train_fields(use_kl_loss: bool) -> tuple[str, ...]:
     """The fields ``train_batch`` reads: the reference log-probs only when the KL loss is on."""
-    base = ("input_ids", "response_mask", "old_log_probs", "advantages")
-    return base + (("ref_log_prob",) if use_kl_loss else ())
+    return TRAIN_INPUT_FIELDS + (("ref_log_prob",) if use_kl_loss else ())
 
 
 class StoreBridge:

@@ -7,6 +7,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from protocol.store.keys import uid_of
+
 __all__ = ["TraceError", "TraceRecorder", "uid_of_key", "read_trace", "LENGTH_KIND", "TRACE_COLUMNS"]
 
 # Which tag length a per-trajectory field is expected to have.
@@ -35,7 +37,7 @@ def uid_of_key(key: str) -> str:
     """The uid a prompt key ``{uid}`` or trajectory key ``{uid}_{session_id}_{index}`` belongs to."""
     if not isinstance(key, str) or not key:
         raise TraceError(f"a store key must be a non-empty str, got {key!r}")
-    return key.split("_", 1)[0]
+    return uid_of(key)
 
 
 def _row_tensor(t: torch.Tensor, i: int) -> torch.Tensor:

@@ -5,12 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.fields import INFER_INPUT_FIELDS, TRAIN_INPUT_FIELDS
+
 from backends.base import Share
 
 __all__ = ["ShareView", "read_share", "ShareError"]
 
-TRAIN_FIELDS = ("input_ids", "response_mask", "old_log_probs", "advantages")
-INFER_FIELDS = ("input_ids", "response_mask")
+TRAIN_FIELDS = TRAIN_INPUT_FIELDS
+INFER_FIELDS = INFER_INPUT_FIELDS
 
 
 class ShareError(ValueError):

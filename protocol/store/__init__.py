@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import DEFAULT_MAX_CLEARED_MARKS, KVStore, group_of, is_prompt_key
+from .base import DEFAULT_MAX_CLEARED_MARKS, KVStore
+from .keys import is_prompt_key, uid_of
 from .batching import assemble_field
 from .errors import FieldOverwriteError, FieldShapeError, LateWriteError, StoreClosedError, StoreKeyError
 from .local import LocalStore
@@ -20,7 +21,7 @@ __all__ = [
     "LateWriteError",
     "FieldShapeError",
     "StoreClosedError",
-    "group_of",
+    "uid_of",
     "is_prompt_key",
     "assemble_field",
     "DEFAULT_MAX_CLEARED_MARKS",

@@ -34,14 +34,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
+from .keys import is_prompt_key, uid_of
 from .meta import KVBatchMeta
 from .batching import normalize_tag, single_key_fields
 from .errors import StoreKeyError, preview
 
 __all__ = [
     "KVStore",
-    "group_of",
-    "is_prompt_key",
     "check_partition",
     "check_keys",
     "check_tags",
@@ -51,16 +50,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_CLEARED_MARKS = 200_000
-
-
-def group_of(key: str) -> str:
-    """The group of a key: the text before the first ``_`` (a prompt key ``{uid}`` is its own group)."""
-    return key.split("_", 1)[0]
-
-
-def is_prompt_key(key: str) -> bool:
-    """True for a prompt key ``{uid}`` (no ``_``), False for a trajectory key ``{uid}_{session}_{index}``."""
-    return "_" not in key
 
 
 def check_partition(partition_id: Any) -> str:
@@ -139,7 +128,7 @@ class ClearedMarks:
     def late(self, partition_id: str, new_keys: Iterable[str]) -> list[str]:
         """Those of ``new_keys`` (keys a put would create) that were cleared themselves or by their group."""
         marks = self._marks
-        return [k for k in new_keys if (partition_id, k) in marks or (partition_id, group_of(k)) in marks]
+        return [k for k in new_keys if (partition_id, k) in marks or (partition_id, uid_of(k)) in marks]
 
     def clear(self) -> None:
         self._marks.clear()

@@ -34,6 +34,8 @@ __all__ = [
     "parse_trajectory_key",
     "is_trajectory_key",
     "group_of",
+    "uid_of",
+    "is_prompt_key",
     "transition",
     "prompt_tag",
     "trajectory_tag",
@@ -147,6 +149,20 @@ def group_of(key: str) -> str:
     if "_" not in key:
         return check_uid(key)
     return parse_trajectory_key(key)[0]
+
+
+def uid_of(key: str) -> str:
+    """The uid of a prompt or trajectory key, without validation: the hot-path form of :func:`group_of`.
+
+    >>> uid_of("ab12_3_0"), uid_of("ab12")
+    ('ab12', 'ab12')
+    """
+    return key.partition("_")[0]
+
+
+def is_prompt_key(key: str) -> bool:
+    """True for a prompt key ``{uid}`` (no ``_``), False for a trajectory key ``{uid}_{session_id}_{index}``."""
+    return "_" not in key
 
 
 def _status(value: Any, role: str) -> PromptStatus | None:

@@ -35,13 +35,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
+from .keys import uid_of
 from .meta import KVBatchMeta
 from .base import (
     DEFAULT_MAX_CLEARED_MARKS,
     ClearedMarks,
     KVStore,
     check_keys,
-    group_of,
     check_partition,
     check_select_fields,
     check_tags,
@@ -124,11 +124,11 @@ class TransferQueueStore(KVStore):
         """Those of ``new_keys`` that were cleared themselves or whose group (prompt key) was cleared."""
         if not new_keys:
             return []
-        candidates = list(dict.fromkeys(list(new_keys) + [group_of(k) for k in new_keys]))
+        candidates = list(dict.fromkeys(list(new_keys) + [uid_of(k) for k in new_keys]))
         _, where, missing = self._lookup(candidates, MARKS_PREFIX + partition_id)
         if not where:
             return []
-        return [k for k in new_keys if k in where or group_of(k) in where]
+        return [k for k in new_keys if k in where or uid_of(k) in where]
 
     def _add_marks(self, partition_id: str, keys: list[str]) -> None:
         if self._max_marks == 0:

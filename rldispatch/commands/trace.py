@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from protocol.store.keys import uid_of
 from rldispatch.trace import TraceError, read_trace
 
 COLUMNS = (
@@ -42,8 +43,8 @@ def _cell(v) -> str:
 def _keys_cell(keys) -> str:
     if not keys:
         return "-"
-    uids = sorted({k.split("_", 1)[0] for k in keys})
-    suffixes = [k.split("_", 1)[1] if "_" in k else "(prompt)" for k in keys]
+    uids = sorted({uid_of(k) for k in keys})
+    suffixes = [k.partition("_")[2] or "(prompt)" for k in keys]
     head = uids[0][:8] + ("+" + str(len(uids) - 1) if len(uids) > 1 else "")
     return f"{head}: " + ",".join(suffixes)
 
