@@ -11,6 +11,8 @@ import torch
 from backends.model.config import ModelConfig
 from backends.model.generate import generate as batched_generate
 from backends.model.llama import LlamaModel
+from protocol.rollout.tokenizer import (TokenizerError, VocabularyError, check_vocab_fits, generation_stop_ids,
+                                        stop_token_ids)
 
 __all__ = ["RolloutError", "SamplingParams", "RolloutWorker"]
 
@@ -23,7 +25,8 @@ class RolloutError(ValueError):
 class SamplingParams:
     """How one request is sampled: ``temperature`` (0 = greedy), nucleus ``top_p``, at most ``max_tokens`` tokens.
 
-    Generation also stops after the tokenizer's eos token, which is kept as the last response token.
+    Generation also stops after any stop token (the tokenizer's EOS and the checkpoint's generation_config.json
+    EOS ids), which is kept as the last response token.
     """
 
     temperature: float = 1.0
@@ -85,9 +88,16 @@ class RolloutWorker:
             raise RolloutError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
         if getattr(tokenizer, "vocab_size", None) is None or getattr(tokenizer, "eos_token_id", None) is None:
             raise RolloutError("tokenizer must provide vocab_size and eos_token_id")
-        if tokenizer.vocab_size > model_cfg.vocab_size:
-            raise RolloutError(f"tokenizer vocab_size {tokenizer.vocab_size} exceeds model.vocab_size "
-                               f"{model_cfg.vocab_size}")
+        try:
+            # the tokenizer's own stop ids plus the checkpoint's generation_config.json EOS ids
+            self.stop_token_ids = stop_token_ids(tokenizer) | generation_stop_ids(model_cfg.hf_path)
+            check_vocab_fits(tokenizer, model_cfg.vocab_size)
+            outside = sorted(i for i in self.stop_token_ids if i >= model_cfg.vocab_size)
+            if outside:
+                raise VocabularyError(f"stop token ids {outside} of {model_cfg.hf_path}/generation_config.json are "
+                                      f"outside the model's {model_cfg.vocab_size} embedding rows")
+        except (TokenizerError, VocabularyError) as exc:
+            raise RolloutError(str(exc)) from exc
         if max_batch_size is not None and max_batch_size < 1:
             raise RolloutError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
         self.model_cfg = model_cfg
@@ -191,7 +201,7 @@ class RolloutWorker:
                 self.batch_sizes.append(len(chunk))
                 toks, lps = batched_generate(self.model, [requests[i].prompt for i in chunk], max_new_tokens=max_new,
                                              temperature=temperature, top_p=top_p,
-                                             eos_token_id=self.tokenizer.eos_token_id, generator=self.generator)
+                                             eos_token_id=self.stop_token_ids, generator=self.generator)
                 for i, t, lp in zip(chunk, toks, lps):
                     m = requests[i].params.max_tokens  # a shorter budget is a prefix of the same sample
                     results[i] = (t[:m], lp[:m])

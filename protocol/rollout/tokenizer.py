@@ -1,4 +1,7 @@
-"""A character-level tokenizer with a chat template, shipped with the package so every run works without a download.
+"""Tokenizers of the rollout: a built-in character-level tokenizer (every run works without a download) and
+:class:`HFTokenizer`, a local Hugging Face tokenizer folder seen through the same interface.
+
+The character tokenizer:
 
 Vocabulary (``vocab_size = 128``, the default tiny model's vocabulary):
 
@@ -29,15 +32,24 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
     "CharTokenizer",
+    "HFTokenizer",
     "ChatTemplateError",
     "TokenIdError",
+    "TokenizerError",
+    "VocabularyError",
     "ROLES",
     "load_tokenizer",
+    "resolve_tokenizer",
+    "generation_stop_ids",
+    "stop_token_ids",
+    "check_vocab_fits",
+    "decode_response",
 ]
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -55,6 +67,14 @@ class ChatTemplateError(ValueError):
 
 class TokenIdError(ValueError):
     """A token id outside ``[0, vocab_size)`` or not an integer."""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer source that cannot be loaded (no such folder, no tokenizer files, no EOS token)."""
+
+
+class VocabularyError(ValueError):
+    """The tokenizer has more tokens than the model's embedding has rows."""
 
 
 class CharTokenizer:
@@ -92,6 +112,11 @@ class CharTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids that end a generation: ``<|eos|>``."""
+        return frozenset({self.eos_token_id})
 
     @property
     def special_token_ids(self) -> frozenset[int]:
@@ -196,12 +221,178 @@ class CharTokenizer:
         return {"name": self.name, "vocab_size": self.vocab_size}
 
 
+def generation_stop_ids(path: str | os.PathLike | None) -> frozenset[int]:
+    """The ``eos_token_id`` entries (an int or a list) of ``path/generation_config.json``; empty when absent.
+
+    Instruction-tuned checkpoints list every id that ends an assistant turn there (Qwen2.5: ``<|im_end|>`` and
+    ``<|endoftext|>``), which is more than the tokenizer's single ``eos_token``.
+    """
+    if not path:
+        return frozenset()
+    file = os.path.join(os.fspath(path), "generation_config.json")
+    if not os.path.isfile(file):
+        return frozenset()
+    with open(file) as fh:
+        try:
+            found = json.load(fh).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise TokenizerError(f"{file} is not a JSON object: {exc}") from exc
+    if found is None:
+        return frozenset()
+    values = found if isinstance(found, (list, tuple)) else [found]
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise TokenizerError(f"{file}: eos_token_id must be an int or a list of ints >= 0, got {found!r}")
+    return frozenset(int(v) for v in values)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer behind the interface the rollout uses, identical under transformers 4 and 5.
+
+    * ``apply_chat_template`` always returns token ids (transformers 5 returns a ``BatchEncoding`` unless asked
+      for ``return_dict=False``; both versions are asked explicitly);
+    * ``vocab_size`` is ``len(tokenizer)``, added tokens included (the HF attribute of that name leaves them out);
+    * ``stop_token_ids`` is the EOS token plus the ``generation_config.json`` EOS ids of the tokenizer's folder;
+    * ``encode`` adds no special tokens; ``decode`` accepts ``skip_special`` like :class:`CharTokenizer`.
+    """
+
+    name = "hf"
+
+    def __init__(self, hf: Any, path: str = "", extra_stop_ids: Iterable[int] = ()) -> None:
+        self.hf = hf
+        self.path = os.fspath(path) if path else ""
+        if hf.eos_token_id is None:
+            raise TokenizerError(f"the tokenizer at {self.path or hf!r} defines no eos_token; generation could never "
+                                 f"stop: set eos_token in its tokenizer_config.json")
+        self.vocab_size: int = len(hf)
+        self.eos_token_id: int = int(hf.eos_token_id)
+        self.pad_token_id: int = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_token_id
+        self.bos_token_id: int | None = hf.bos_token_id
+        stops = {self.eos_token_id, *generation_stop_ids(self.path), *(int(i) for i in extra_stop_ids)}
+        outside = sorted(i for i in stops if not 0 <= i < self.vocab_size)
+        if outside:
+            raise TokenizerError(f"stop token ids {outside} (eos_token / generation_config.json eos_token_id) are "
+                                 f"outside the tokenizer's {self.vocab_size} tokens")
+        self._stop_ids = frozenset(stops)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, stop_token_ids={sorted(self._stop_ids)})"
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids that end a generation: the EOS token and the checkpoint's ``generation_config.json`` EOS ids."""
+        return self._stop_ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without any added special token."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True, skip_special_tokens: bool | None = None) -> str:
+        """Text of ``ids``; ``skip_special_tokens`` is an alias of ``skip_special``."""
+        if skip_special_tokens is not None:
+            skip_special = bool(skip_special_tokens)
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        """The token string of each id."""
+        return list(self.hf.convert_ids_to_tokens(list(ids.tolist() if hasattr(ids, "tolist") else ids)))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> list[int] | str:
+        """Token ids (or text when ``tokenize=False``) of ``messages`` rendered with the tokenizer's template."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
+        if not tokenize:
+            return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                               tokenize=False)
+        out = self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, return_dict=False)
+        if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # a version that ignores return_dict
+            out = out["input_ids"]
+        if hasattr(out, "tolist"):
+            out = out.tolist()
+        ids = list(out)
+        if ids and isinstance(ids[0], (list, tuple)):
+            raise ChatTemplateError(f"apply_chat_template returned a batch of {len(ids)} rows for one conversation")
+        bad = [(i, t) for i, t in enumerate(ids[:1000]) if isinstance(t, bool) or not isinstance(t, int)]
+        if bad:
+            raise ChatTemplateError(f"apply_chat_template returned non-integer token {bad[0][1]!r} at position "
+                                    f"{bad[0][0]}; expected token ids")
+        return ids
+
+    def save_pretrained(self, out: str | os.PathLike) -> None:
+        """Write the tokenizer files (tokenizer.json, tokenizer_config.json, chat template, ...) into ``out``."""
+        self.hf.save_pretrained(os.fspath(out))
+
+    def state_dict(self) -> dict[str, Any]:
+        """A JSON-able description sufficient for :func:`load_tokenizer` to rebuild this tokenizer."""
+        return {"name": self.name, "path": self.path}
+
+
+def stop_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids that end a generation for ``tokenizer``: its ``stop_token_ids``, else ``{eos_token_id}``."""
+    found = getattr(tokenizer, "stop_token_ids", None)
+    if found is not None:
+        return frozenset(int(i) for i in found)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise TokenizerError(f"tokenizer {type(tokenizer).__name__} has neither stop_token_ids nor eos_token_id")
+    return frozenset({int(eos)})
+
+
+def check_vocab_fits(tokenizer: Any, model_vocab_size: int, where: str = "model.vocab_size") -> None:
+    """Refuse a tokenizer with more tokens than the model's embedding rows; a model padded larger is fine."""
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
+    if size is None:
+        raise TokenizerError(f"tokenizer {type(tokenizer).__name__} reports no vocabulary size (len() or vocab_size)")
+    if int(size) > int(model_vocab_size):
+        raise VocabularyError(
+            f"the tokenizer has {int(size)} tokens but the model's embedding has {int(model_vocab_size)} rows "
+            f"({where}); ids >= {int(model_vocab_size)} would index past it: use the checkpoint's own tokenizer "
+            f"(leave data.tokenizer unset with model.hf_path) or a model with a vocabulary of at least {int(size)}")
+    stops = sorted(i for i in stop_token_ids(tokenizer) if i >= int(model_vocab_size))
+    if stops:
+        raise VocabularyError(f"stop token ids {stops} are outside the model's {int(model_vocab_size)} embedding "
+                              f"rows ({where})")
+
+
+def decode_response(tokenizer: Any, ids: Iterable[int], stop_ids: Iterable[int] | None = None) -> str:
+    """The response text a scorer sees: the final stop token removed, every other token (specials too) kept.
+
+    A reference system decodes with every special token skipped; that also hides filler (``<|pad|>`` ...) the
+    policy may append to a right answer, so here only the token that ended the generation is dropped: a correct
+    answer scores the same with or without its EOS, and padded answers still read as padded.
+    """
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    ids = [int(i) for i in ids]
+    stops = stop_token_ids(tokenizer) if stop_ids is None else frozenset(int(i) for i in stop_ids)
+    if ids and ids[-1] in stops:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special=False)
+
+
+def resolve_tokenizer(tokenizer: str | None, hf_path: str | None) -> str:
+    """The tokenizer source of a run: ``data.tokenizer`` when given, else the ``model.hf_path`` folder's own
+    tokenizer, else the built-in ``"char"``. This is the one place that default is decided."""
+    if tokenizer:
+        return os.fspath(tokenizer)
+    return os.fspath(hf_path) if hf_path else "char"
+
+
 def load_tokenizer(cfg_or_path: Any = "char") -> Any:
     """The tokenizer named by ``cfg_or_path``.
 
     Accepts ``"char"`` / ``None`` (the built-in :class:`CharTokenizer`), a tokenizer object (returned as is), a
-    mapping or config with ``name`` or ``path``, or a local directory holding a Hugging Face tokenizer (needs the
-    ``transformers`` package, which this environment does not install: a clear ``ModuleNotFoundError`` then).
+    mapping or config with ``name`` or ``path``, or a local directory holding a Hugging Face tokenizer (read with
+    ``transformers.AutoTokenizer``, wrapped in :class:`HFTokenizer`; nothing is downloaded).
     """
     if cfg_or_path is None:
         return CharTokenizer()
@@ -221,13 +412,16 @@ def load_tokenizer(cfg_or_path: Any = "char") -> Any:
         return CharTokenizer()
     if os.path.isdir(text):
         try:
-            import transformers  # noqa: F401  (optional dependency)
+            from transformers import AutoTokenizer
         except ImportError:
             raise ModuleNotFoundError(
-                f"tokenizer path {text!r} is a Hugging Face tokenizer directory, which needs the 'transformers' "
-                f"package (not installed); install it or set tokenizer to 'char'"
+                f"data.tokenizer={text!r} is a Hugging Face tokenizer directory, which needs the 'transformers' "
+                f"package (not installed); install it or set data.tokenizer=char"
             ) from None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(text)
-    raise ValueError(f"tokenizer {text!r} is neither 'char' nor an existing local directory")
+        files = set(os.listdir(text))
+        if not files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
+            raise TokenizerError(f"data.tokenizer={text!r}: the folder has no tokenizer files (tokenizer.json, "
+                                 f"tokenizer_config.json, ...); point data.tokenizer at a Hugging Face tokenizer "
+                                 f"folder or set it to 'char'")
+        return HFTokenizer(AutoTokenizer.from_pretrained(text, local_files_only=True), path=text)
+    raise TokenizerError(f"data.tokenizer={text!r} is neither 'char' nor an existing local directory")

@@ -1,11 +1,21 @@
-"""The built-in character tokenizer and load_tokenizer."""
+"""The built-in character tokenizer, Hugging Face tokenizer folders, load_tokenizer and the scorer's decode."""
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.rollout.tokenizer import ROLES, CharTokenizer, ChatTemplateError, TokenIdError, load_tokenizer
+from protocol.algos.reward import RewardInput, make_reward_manager
+from protocol.rollout.tokenizer import (ROLES, CharTokenizer, ChatTemplateError, HFTokenizer, TokenIdError,
+                                        TokenizerError, VocabularyError, check_vocab_fits, decode_response,
+                                        generation_stop_ids, load_tokenizer, resolve_tokenizer, stop_token_ids)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+import hf_tiny  # noqa: E402  (tests/dist helper: offline tiny HF artefacts)
 
 TOK = CharTokenizer()
 table_text = st.text(alphabet=st.sampled_from([chr(c) for c in range(32, 127)] + ["\n", "\t"]), max_size=60)
@@ -87,11 +97,96 @@ def test_load_tokenizer(tmp_path):
     assert load_tokenizer(TOK) is TOK
     assert isinstance(load_tokenizer({"name": "char"}), CharTokenizer)
     assert load_tokenizer(TOK.state_dict()) == TOK
-    with pytest.raises(ModuleNotFoundError, match="transformers"):
+    with pytest.raises(TokenizerError, match="no tokenizer files"):
         load_tokenizer(str(tmp_path))
-    with pytest.raises(ModuleNotFoundError, match="transformers"):
+    with pytest.raises(TokenizerError, match="no tokenizer files"):
         load_tokenizer({"path": str(tmp_path)})
-    with pytest.raises(ValueError, match="gpt9"):
+    with pytest.raises(TokenizerError, match="gpt9"):
         load_tokenizer("gpt9")
     with pytest.raises(TypeError):
         load_tokenizer(3.5)
+
+
+# ------------------------------------------------------------------------------------------------ Hugging Face
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chatml")
+    hf = hf_tiny.make_chatml_tokenizer(out)
+    eos, eot = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, eot]}))
+    return out
+
+
+def test_resolve_tokenizer_defaults_to_the_checkpoint():
+    assert resolve_tokenizer("", "/ckpt") == "/ckpt"
+    assert resolve_tokenizer(None, "/ckpt") == "/ckpt"
+    assert resolve_tokenizer("", "") == "char"
+    assert resolve_tokenizer("char", "/ckpt") == "char"  # an explicit choice wins
+    assert resolve_tokenizer("/other", "/ckpt") == "/other"
+
+
+def test_hf_chat_template_gives_token_ids(hf_dir):
+    """transformers 5 returns a BatchEncoding by default; the wrapper always hands back the ids."""
+    tok = load_tokenizer(str(hf_dir))
+    assert isinstance(tok, HFTokenizer)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "repeat: a3"}]
+    ids = tok.apply_chat_template(msgs)
+    assert isinstance(ids, list) and all(type(i) is int for i in ids)
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nrepeat: a3<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids, skip_special=False) == text
+    assert ids == tok.hf(text, add_special_tokens=False)["input_ids"]  # the template's text, tokenized
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == ids[:-len(tok.encode("assistant\n")) - 1]
+    assert tok.decode(tok.encode("copy: abcd")) == "copy: abcd"
+    assert tok.vocab_size == len(tok.hf) and tok.eos_token_id == tok.hf.convert_tokens_to_ids("<|im_end|>")
+    assert load_tokenizer(tok.state_dict()).vocab_size == tok.vocab_size
+
+
+def test_hf_stop_ids_include_generation_config(hf_dir, tmp_path):
+    tok = load_tokenizer(str(hf_dir))
+    eos, eot = tok.hf.convert_tokens_to_ids("<|im_end|>"), tok.hf.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.stop_token_ids == {eos, eot} == stop_token_ids(tok) == generation_stop_ids(hf_dir)
+    assert stop_token_ids(CharTokenizer()) == {2}
+    assert generation_stop_ids(tmp_path) == frozenset() and generation_stop_ids("") == frozenset()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert generation_stop_ids(tmp_path) == {7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(TokenizerError, match="eos_token_id"):
+        generation_stop_ids(tmp_path)
+    with pytest.raises(TokenizerError, match=r"outside the tokenizer's \d+ tokens"):
+        HFTokenizer(tok.hf, extra_stop_ids=[10**6])
+
+
+def test_vocabulary_check_both_ways(hf_dir):
+    tok = load_tokenizer(str(hf_dir))
+    n = len(tok)
+    check_vocab_fits(tok, n)
+    check_vocab_fits(tok, n + 64)  # a model padded larger than its tokenizer (Qwen2.5 pads to 151936) is fine
+    with pytest.raises(VocabularyError, match=f"tokenizer has {n} tokens but the model's embedding has {n - 1} rows"):
+        check_vocab_fits(tok, n - 1)
+    check_vocab_fits(CharTokenizer(), 128)
+    with pytest.raises(VocabularyError, match="128 tokens .* 100 rows"):
+        check_vocab_fits(CharTokenizer(), 100)
+
+
+def _score(tok, ids, target="aaa"):
+    manager = make_reward_manager("naive", decode=lambda x: decode_response(tok, x))
+    return float(manager([RewardInput(response_ids=ids, data_source="repeat", ground_truth=target)]).scores[0])
+
+
+def test_an_answer_ending_in_eos_scores_like_the_bare_answer(hf_dir):
+    hf = load_tokenizer(str(hf_dir))
+    im_end, eot, pad = (hf.hf.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<|pad|>"))
+    for tok, stops, pad_id in ((CharTokenizer(), [2], 0), (hf, [im_end, eot], pad)):
+        answer = tok.encode("aaa")
+        assert _score(tok, answer) == 1.0
+        for stop in stops:  # every stop id of the tokenizer and of generation_config.json
+            assert _score(tok, answer + [stop]) == 1.0
+        # regression: filler special tokens are not hidden from the scorer (only the final stop token is dropped)
+        assert _score(tok, answer + [pad_id]) < 1.0
+        assert _score(tok, answer + [pad_id, stops[0]]) < 1.0
+    assert _score(hf, hf.encode("aaa") + [im_end, im_end]) < 1.0  # only ONE final stop token is dropped
+    assert decode_response(hf, hf.encode("aaa") + [im_end]) == "aaa"
+    assert decode_response(hf, hf.encode("aaa") + [pad]) == "aaa<|pad|>"

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 from protocol.rollout.agent_loop.base import AgentLoop, GenerateFn, call_generate, register_agent_loop
 from protocol.rollout.agent_loop.output import AgentLoopOutput
 from protocol.rollout.agent_loop.tools import ToolCall, ToolError, ToolRegistry, builtin_tools, parse_tool_calls
+from protocol.rollout.tokenizer import stop_token_ids
 
 __all__ = ["ToolAgentLoop", "observation_ids"]
 
@@ -32,7 +33,7 @@ class ToolAgentLoop(AgentLoop):
 
     Each assistant turn is generated with ``max_tokens = min(sampling_params['max_tokens'], budget left)``.
     A turn's text is searched for tool calls in the format of :mod:`protocol.rollout.agent_loop.tools`; the session
-    stops when a turn has no tool call, when a turn did not end with eos (cut by max_tokens), after
+    stops when a turn has no tool call, when a turn did not end with a stop token (cut by max_tokens), after
     ``max_turns`` assistant turns, or when ``max_response_length`` is reached. Tool results (or error messages
     for unknown tools, malformed calls and failing tools) are rendered as ``tool`` messages with the chat
     template and appended with mask 0 and log-prob 0. The response is cut to ``max_response_length`` with mask
@@ -86,7 +87,7 @@ class ToolAgentLoop(AgentLoop):
         if not isinstance(tools_kwargs, Mapping):
             raise TypeError(f"tools_kwargs must be a mapping tool name -> kwargs, got {type(tools_kwargs).__name__}")
         prompt_ids = self.prompt_to_ids(prompt)
-        eos = self.tokenizer.eos_token_id
+        stops = stop_token_ids(self.tokenizer)
         limit = self.max_response_length
         resp: list[int] = []
         mask: list[int] = []
@@ -116,7 +117,7 @@ class ToolAgentLoop(AgentLoop):
             if not calls and not parse_errors:
                 report["stop_reason"] = "no_tool_call"
                 break
-            if not tokens or tokens[-1] != eos:
+            if not tokens or tokens[-1] not in stops:
                 report["stop_reason"] = "unfinished_turn"
                 break
             if assistant_turns >= self.max_turns:
