@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from protocol.batch.nested import to_nested
+from protocol.store import KVStore, StepStore
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 
@@ -51,14 +52,14 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-class ShardedStore:
-    """A store view spanning all ranks: local values, replicated tags and locations, point-to-point fetch.
+class ShardedStore(StepStore):
+    """A :class:`~protocol.store.StepStore` spanning all ranks: local values, replicated tags and locations.
 
     ``local`` is this rank's :class:`protocol.LocalStore`. Methods named like the store verbs act locally and are
     safe to call from any subset of ranks; :meth:`sync` and :meth:`fetch` are collectives over ``group``.
     """
 
-    def __init__(self, local: Any, group: Any = None, device: torch.device | str = "cpu"):
+    def __init__(self, local: KVStore, group: Any = None, device: torch.device | str = "cpu"):
         self.local = local
         self.group = group
         self.device = torch.device(device)
@@ -125,7 +126,16 @@ class ShardedStore:
                 from None
 
     def num_keys(self) -> int:
-        return sum(len(v) for v in self._tags.values())
+        """Replicated tags plus values still held in this rank's local store (0 once a step is cleared)."""
+        return sum(len(v) for v in self._tags.values()) + self.local.num_keys()
+
+    def local_keys(self, keys: Sequence[str], partition_id: str, field: str) -> list[str]:
+        """Those of ``keys`` whose ``field`` this rank holds, in order."""
+        return [k for k in keys if self.location(k, field, partition_id) == self.rank]
+
+    def read_local(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
+        """``fields`` of keys this rank holds, straight from its local store (no communication)."""
+        return self.local.read_local(keys, partition_id, fields)
 
     # ---- collectives ------------------------------------------------------------------------------------
     def sync(self) -> None:

@@ -18,7 +18,7 @@ import os
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,23 +30,27 @@ from backends.base import get_engine_class
 from dispatch import Topology
 from protocol.algos.advantage import compute_advantage, get_advantage_fn, session_inputs_from_keys
 from protocol.rollout.agent_loop import build_agent_loop, builtin_tools, run_groups
-from protocol.rollout.dataset import RLHFDataset
+from protocol.rollout.dataset import RLHFDataset, ground_truth_of
 from protocol.invariants import assert_invariants
 from protocol.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from protocol.store.meta import KVBatchMeta
-from protocol.batch.nested import nested_lengths, response_from_nested, response_to_nested, to_nested
+from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged, to_nested
 from protocol.store.replay_buffer import ReplayBuffer, ReplayBufferError
 import protocol.rollout.tasks  # noqa: F401  (registers the task scorers by data_source)
-from protocol.algos.reward import RewardInput, compute_rm_scores, make_reward_manager
+from protocol.algos.reward import (RewardInput, RewardResult, build_reward_manager, compute_rm_scores,
+                                   needs_ground_truth, numeric_extras)
 from protocol.store import LocalStore
-from protocol.rollout.tokenizer import load_tokenizer
+from protocol.store.keys import uid_of
+from protocol.rollout.tokenizer import check_vocab_fits, decode_response, load_tokenizer, resolve_tokenizer
 from rldispatch.bridge import StoreBridge
 from rldispatch.config import RunConfig
 from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
-from rldispatch.metrics import MetricsLogger, Timer, distributed_masked_stats, sample_lengths
+from rldispatch.metrics import (
+    MetricsLogger, Timer, check_same_everywhere, distributed_masked_stats, global_sums, per_rank_values, sample_lengths,
+)
 from rldispatch.ref import build_reference
-from rldispatch.plan import batch_settings, make_step_plan
+from rldispatch.plan import StepPlan, batch_settings, make_step_plan
 from rldispatch.rollout import RolloutWorker
 from rldispatch.schema import to_plain
 from rldispatch.trace import TraceRecorder
@@ -125,11 +129,28 @@ def combine_update_metrics(updates: Sequence[dict[str, float]]) -> dict[str, flo
     return out
 
 
-def _ground_truth(row: dict) -> Any:
-    rm = row.get("reward_model") or {}
-    if isinstance(rm, dict) and "ground_truth" in rm:
-        return rm["ground_truth"]
-    return (row.get("extra_info") or {}).get("ground_truth")
+@dataclass
+class StepState:
+    """What one step's stages hand each other besides the KVBatchMeta: its prompts, plan, this rank's keys, metrics."""
+
+    step: int
+    prompts: tuple[list[dict], list[str]]
+    metrics: dict[str, float] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)
+    sampled: KVBatchMeta | None = None  # the replay buffer's batch (real trajectories)
+    plan: StepPlan | None = None
+    own: list[str] = field(default_factory=list)  # trajectories generated on this rank (and padding on rank 0)
+    own_pad: torch.Tensor | None = None
+    mine: KVBatchMeta | None = None  # this DP rank's share for inference
+    infer_inputs: TensorDict | None = None
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.prompts[0]
+
+    @property
+    def uids(self) -> list[str]:
+        return self.prompts[1]
 
 
 class GRPOTrainer:
@@ -142,13 +163,17 @@ class GRPOTrainer:
         self.dp_rank = self.topology.dp_rank(ctx.rank)
         self.reporting = self.topology.is_reporting(ctx.rank)
         batch_settings(cfg, self.topology, step=0).check(self.topology)  # refuse undividable batches before rollout
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = load_tokenizer(resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
+        check_vocab_fits(self.tokenizer, cfg.model.vocab_size)  # before any engine is built
         self._ensure_data()
         d = cfg.data
-        self.train_set = RLHFDataset(d.train_files, self.tokenizer, d.max_prompt_length,
-                                     filter_overlong_prompts=d.filter_overlong_prompts)
-        self.val_set = RLHFDataset(d.val_files, self.tokenizer, d.max_prompt_length,
-                                   filter_overlong_prompts=d.filter_overlong_prompts)
+        # every row's data_source and ground truth are checked against the scorers before step 0 (a custom reward
+        # function decides for itself which rows it can score)
+        check = None if cfg.custom_reward_function.path else needs_ground_truth
+        self.train_set = RLHFDataset(d.train_files, self.tokenizer, d.max_prompt_length, prompt_key=d.prompt_key,
+                                     filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check)
+        self.val_set = RLHFDataset(d.val_files, self.tokenizer, d.max_prompt_length, prompt_key=d.prompt_key,
+                                   filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check)
 
         engine_cls = get_engine_class(cfg.actor.backend)
         self.engine = engine_cls(cfg.engine_config(), self.topology)
@@ -168,10 +193,12 @@ class GRPOTrainer:
             if cfg.rollout.agent_loop == "tool" else {}
         self.agent_loop = build_agent_loop(cfg.rollout.agent_loop, self.rollout.agenerate, tokenizer=self.tokenizer,
                                            max_response_length=cfg.data.max_response_length, **loop_kwargs)
-        # special tokens stay in the decoded text: a scorer that never saw them would let the policy pad its answer
-        # with <|pad|> and still score full marks
-        self.reward_manager = make_reward_manager("naive", decode=functools.partial(self.tokenizer.decode,
-                                                                                    skip_special=False))
+        # only the stop token that ended the response is dropped; other special tokens stay in the decoded text:
+        # a scorer that never saw them would let the policy pad its answer with <|pad|> and still score full marks
+        self.reward_manager = build_reward_manager(
+            cfg.reward, cfg.custom_reward_function,
+            decode=functools.partial(decode_response, self.tokenizer, stop_ids=self.rollout.stop_token_ids),
+            max_response_len=cfg.data.max_response_length)
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = FixedKLController(kc.kl_coef) if kc.type == "fixed" else \
             AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon)
@@ -257,130 +284,192 @@ class GRPOTrainer:
                 self.cfg.rollout.n if partition == TRAIN else 1, loop, step, partition, sampling, row_kwargs=kwargs))
         self.store.sync()
 
-    def _local_keys(self, keys: Sequence[str], partition: str, field: str = "responses") -> list[str]:
-        return [k for k in keys if self.store.location(k, field, partition) == self.ctx.rank]
-
-    def _score(self, keys: list[str], partition: str, rows_by_uid: dict[str, dict]) -> torch.Tensor:
-        """Rule-based reward of this rank's own trajectories; writes ``rm_scores`` at the last policy token."""
+    def _score(self, keys: list[str], partition: str, rows_by_uid: dict[str, dict]) -> RewardResult:
+        """Reward of this rank's own trajectories (scores and the scorers' extra values); writes ``rm_scores`` at
+        the last policy token."""
         if not keys:
-            return torch.zeros(0)
-        td = self.store.local.kv_batch_get(keys, partition, select_fields=["responses", "response_mask"],
-                                           jagged=["responses", "response_mask"])
+            return RewardResult(torch.zeros(0))
+        td = self.store.read_local(keys, partition, ["responses", "response_mask"])
         tags = self.store.tags_of(keys, partition)
+        responses, masks = td["responses"].unbind(), td["response_mask"].unbind()
         items = []
-        for i, (key, tag) in enumerate(zip(keys, tags)):
-            row = rows_by_uid.get(key.split("_", 1)[0], {})
-            items.append(RewardInput(response_ids=td["responses"][i], data_source=row.get("data_source", ""),
-                                     ground_truth=_ground_truth(row), extra_info=row.get("extra_info"),
-                                     response_mask=td["response_mask"][i], is_padding=bool(tag.get("is_padding"))))
-        scores = self.reward_manager(items).scores
-        rm = compute_rm_scores(scores, td["response_mask"])
+        for key, tag, response, mask in zip(keys, tags, responses, masks):
+            row = rows_by_uid.get(uid_of(key), {})
+            items.append(RewardInput(response_ids=response, data_source=row.get("data_source", ""),
+                                     ground_truth=ground_truth_of(row), extra_info=row.get("extra_info"),
+                                     response_mask=mask, is_padding=bool(tag.get("is_padding")), key=key))
+        result = self.reward_manager(items)
+        rm = compute_rm_scores(result.scores, td["response_mask"])
         self.store.kv_batch_put(keys, partition, TensorDict({"rm_scores": rm}, batch_size=[len(keys)]))
-        return scores
+        return result
+
+    def _reward_extra_metrics(self, result: RewardResult, pad: torch.Tensor) -> dict[str, float]:
+        """``reward/extra/<name>/mean`` over every rank's real samples of each numeric extra value a scorer returned.
+
+        The names are gathered first: a rank whose trajectories gave no such value still joins each reduction.
+        """
+        local = numeric_extras(result)
+        names: list[list[str]] = [[] for _ in range(self.ctx.world)]
+        dist.all_gather_object(names, sorted(local))
+        out = {}
+        n = result.scores.shape[0]
+        for name in sorted(set().union(*names)):
+            values, missing = local.get(name, (torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool)))
+            stats = distributed_masked_stats(values, missing | pad, f"reward/extra/{name}", device=self.ctx.device)
+            out[f"reward/extra/{name}/mean"] = stats[f"reward/extra/{name}/mean"]
+        return out
 
     # ------------------------------------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
-        cfg, step = self.cfg, self.step
-        times: dict[str, float] = {}
-        m: dict[str, float] = {}
+        """One synchronous GRPO step: each stage takes the step's :class:`KVBatchMeta` and returns it."""
+        st = StepState(self.step, self._sample_prompts())
         t_step = time.perf_counter()
-        B = cfg.data.train_batch_size
-        rows = [self.train_set[i] for i in batch_indices(len(self.train_set), B, step, cfg.trainer.seed,
+        batch = self._stage("rollout", st, self._generate, None)             # 1. sessions -> local stores
+        batch = self._stage("sample", st, self._sample, batch)               # 2. terminal groups, oldest first
+        batch = self._stage("plan", st, self._plan, batch)                   # 3. padding + balanced DP shares
+        batch = self._stage("reward", st, self._compute_reward, batch)       # 4. rm_scores
+        batch = self._stage("old_log_prob", st, self._compute_old_log_prob, batch)  # 5. old log-probs, entropy
+        if self.ref_bridge is not None:
+            batch = self._stage("ref", st, self._compute_ref_log_prob, batch)  # 6. reference log-probs, KL
+        batch = self._stage("advantage", st, self._compute_advantage, batch)  # 7. rewards -> advantages
+        batch = self._stage("update", st, self._update_actor, batch)         # 8. ppo_epochs x mini-batches
+        self._stage("clear", st, self._clear, batch)                         # 9. kv_clear of the whole step
+        self._stage("weight_sync", st, self._sync_weights, batch)            # 10. new weights to the rollout
+        return self._finish(st, time.perf_counter() - t_step)
+
+    def _stage(self, name: str, st: "StepState", fn, batch: KVBatchMeta | None) -> KVBatchMeta | None:
+        with Timer(name, st.times):
+            return fn(batch, st)
+
+    def _sample_prompts(self) -> tuple[list[dict], list[str]]:
+        cfg, B = self.cfg, self.cfg.data.train_batch_size
+        rows = [self.train_set[i] for i in batch_indices(len(self.train_set), B, self.step, cfg.trainer.seed,
                                                           cfg.data.shuffle)]
-        uids = step_uids(cfg.trainer.seed, step, B)
-        rows_by_uid = dict(zip(uids, rows))
-        self.trace.select(uids[0])
+        return rows, step_uids(cfg.trainer.seed, self.step, B)
+
+    def _generate(self, _: None, st: "StepState") -> None:
+        cfg = self.cfg
+        self.trace.select(st.uids[0])
         sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "max_tokens": cfg.data.max_response_length}
-        with Timer("rollout", times):
-            self._rollout(rows, uids, TRAIN, step, sampling)
-        with Timer("sample", times):
-            try:
-                # sync mode: every group of the step is terminal now, so fewer than B usable groups means
-                # some failed or went stale; train on the rest rather than wait for groups that never come
-                meta = self.replay.sample(B, current_step=step, timeout=cfg.replay.sample_timeout_s, partial_ok=True)
-            except ReplayBufferError as exc:
-                raise NoUsableGroupsError(
-                    f"step {step}: no usable prompt group among {B} (replay.failure_policy="
-                    f"{cfg.replay.failure_policy!r}); see the rollout errors above. {exc}") from exc
-        m.update({k: float(v) for k, v in (meta.extra_info.get("metrics") or {}).items()
-                  if isinstance(v, (int, float))})
+        self._rollout(st.rows, st.uids, TRAIN, st.step, sampling)
+        return None
+
+    def _sample(self, _: None, st: "StepState") -> KVBatchMeta:
+        cfg, B = self.cfg, self.cfg.data.train_batch_size
+        try:
+            # sync mode: every group of the step is terminal now, so fewer than B usable groups means
+            # some failed or went stale; train on the rest rather than wait for groups that never come
+            meta = self.replay.sample(B, current_step=st.step, timeout=cfg.replay.sample_timeout_s, partial_ok=True)
+        except ReplayBufferError as exc:
+            raise NoUsableGroupsError(
+                f"step {st.step}: no usable prompt group among {B} (replay.failure_policy="
+                f"{cfg.replay.failure_policy!r}); see the rollout errors above. {exc}") from exc
+        st.metrics.update({k: float(v) for k, v in (meta.extra_info.get("metrics") or {}).items()
+                           if isinstance(v, (int, float))})
+        st.sampled = meta
         self._trace("rollout", meta, ["prompts", "responses", "input_ids", "response_mask"], "agent_loop", "reward")
+        return meta
 
-        with Timer("plan", times):
-            plan = make_step_plan(meta, self.topology, cfg, step)
-            self._check_same_everywhere(plan.keys, "the step's key order")
-            if plan.padding_keys and self.ctx.is_main:
-                self.store.kv_batch_put(plan.padding_keys, TRAIN, plan.padding_fields, plan.padding_tags)
-            self.store.sync()
-        m.update(plan.metrics)
-        full = plan.full_meta(self.store)  # real + padding keys with their replicated tags
+    def _plan(self, meta: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+        """Pad and plan (pure, the same on every rank); returns real + padding keys with their replicated tags."""
+        plan = make_step_plan(meta, self.topology, self.cfg, st.step)
+        check_same_everywhere(plan.keys, "the step's key order", device=self.ctx.device)
+        if plan.padding_keys and self.ctx.is_main:
+            self.store.kv_batch_put(plan.padding_keys, TRAIN, plan.padding_fields, plan.padding_tags)
+        self.store.sync()
+        st.plan = plan
+        st.metrics.update(plan.metrics)
+        full = plan.full_meta(self.store)
+        st.own = self.store.local_keys(full.keys, TRAIN, "responses")  # trajectories this rank generated
+        st.own_pad = self._padding_flags(st.own)
+        return full
 
-        with Timer("reward", times):
-            own = self._local_keys(full.keys, TRAIN)  # the trajectories (and padding samples) this rank holds
-            own_pad = self._padding_flags(own)
-            scores = self._score(own, TRAIN, rows_by_uid)
-            m.update(distributed_masked_stats(scores.double(), own_pad, "reward/score", device=self.ctx.device))
-            counts = torch.tensor([float((~own_pad).sum()), float(own_pad.sum())], dtype=torch.float64,
-                                  device=self.ctx.device)
-            dist.all_reduce(counts)
-            m["samples/real"], m["samples/padding"] = float(counts[0]), float(counts[1])
-            self.store.sync()
-        self._trace("reward", meta, ["rm_scores"], "reward_manager", "advantage")
+    def _compute_reward(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+        result = self._score(st.own, TRAIN, dict(zip(st.uids, st.rows)))
+        st.metrics.update(distributed_masked_stats(result.scores.double(), st.own_pad, "reward/score",
+                                                   device=self.ctx.device))
+        st.metrics.update(self._reward_extra_metrics(result, st.own_pad))
+        real, padding = global_sums([float((~st.own_pad).sum()), float(st.own_pad.sum())], device=self.ctx.device)
+        st.metrics["samples/real"], st.metrics["samples/padding"] = real, padding
+        self.store.sync()
+        self._trace("reward", st.sampled, ["rm_scores"], "reward_manager", "advantage")
+        return full
 
-        my_all = plan.rank_meta(full, self.dp_rank)
+    def _compute_old_log_prob(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+        cfg = self.cfg
+        st.mine = st.plan.rank_meta(full, self.dp_rank)
         recompute = cfg.rollout.log_prob_mode == "recompute"
-        inputs = self.bridge.fetch_infer_inputs(my_all) if recompute or self.ref_bridge is not None else None
-        with Timer("old_log_prob", times):
-            if recompute:
-                self.bridge.infer(my_all, plan.infer_micro_batches(self.dp_rank),
-                                  outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
-                                  temperature=cfg.rollout.temperature, with_entropy=True, data=inputs)
-            else:
-                self._bypass_old_log_probs(own, own_pad)
-            self.store.sync()
-        self._trace("old_log_prob", meta, ["old_log_probs"], "actor.infer_batch", "actor.train_batch")
-        if self.ref_bridge is not None:
-            with Timer("ref", times):
-                self.ref_bridge.infer(my_all, plan.infer_micro_batches(self.dp_rank),
-                                      outputs={"log_probs": "ref_log_prob"}, temperature=cfg.rollout.temperature,
-                                      data=inputs)
-                self.store.sync()
-            self._trace("ref", meta, ["ref_log_prob"], "ref.infer_batch", "kl")
+        st.infer_inputs = self.bridge.fetch_infer_inputs(st.mine) if recompute or self.ref_bridge is not None \
+            else None
+        if recompute:
+            self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
+                              outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
+                              temperature=cfg.rollout.temperature, with_entropy=True, data=st.infer_inputs)
+        else:
+            self._bypass_old_log_probs(st.own, st.own_pad)
+        self.store.sync()
+        self._trace("old_log_prob", st.sampled, ["old_log_probs"], "actor.infer_batch", "actor.train_batch")
+        return full
 
-        with Timer("advantage", times):
-            own_mask, adv_metrics = self._advantage(own, own_pad)
-            m.update(adv_metrics)
-            self.store.sync()
-        self._trace("advantage", meta, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
-        if cfg.debug.check_invariants:
-            self._check_invariants(own)
+    def _compute_ref_log_prob(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+        """Reference log-probs, and the KL metrics on the rank that produced them (no values travel for them)."""
+        self.ref_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
+                              outputs={"log_probs": "ref_log_prob"}, temperature=self.cfg.rollout.temperature,
+                              data=st.infer_inputs)
+        self.store.sync()
+        st.metrics.update(self._kl_metrics(st.mine, st.infer_inputs))
+        self._trace("ref", st.sampled, ["ref_log_prob"], "ref.infer_batch", "kl")
+        return full
 
-        with Timer("update", times):
-            updates = []
-            for mb in plan.mini_batches(self.dp_rank):
-                updates.append(self.bridge.train(mb.meta(full), mb.micro_batches,
-                                                 use_kl_loss=cfg.actor.loss.use_kl_loss))
-            m.update(combine_update_metrics(updates))
-        m.update(self._sample_metrics(own_mask, own_pad))
+    def _kl_metrics(self, mine: KVBatchMeta, inputs: TensorDict) -> dict[str, float]:
+        """``kl/*`` over real samples: per-sample masked mean of the estimator, from this rank's written share."""
+        kl_vals, pad = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
+        if len(mine) and self.engine.is_reporting_rank:  # it wrote the share; other ranks of the replica did not
+            td = self.store.read_local(mine.keys, TRAIN, ["old_log_probs", "ref_log_prob"])
+            mask = jagged_to_padded(inputs["response_mask"]).float()
+            old, ref = jagged_to_padded(td["old_log_probs"]).float(), jagged_to_padded(td["ref_log_prob"]).float()
+            per_token = kl_penalty(old, ref, self.cfg.algorithm.kl_penalty) * mask
+            kl_vals = (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).double()
+            pad = torch.tensor([bool(t.get("is_padding")) for t in mine.tags], dtype=torch.bool)
+        return distributed_masked_stats(kl_vals, pad, "kl", device=self.ctx.device)
 
-        with Timer("clear", times):
-            self.replay.clear(meta, extra_keys=plan.padding_keys)
-            self.store.kv_clear(uids, TRAIN)  # prompt keys of groups the replay buffer dropped earlier
-            left = torch.tensor([self.store.num_keys() + self.store.local.stats().get("keys", 0)], dtype=torch.int64,
-                                device=self.ctx.device)
-            dist.all_reduce(left)
-            m["store/keys_after_clear"] = float(left.item())
-        with Timer("weight_sync", times):
-            self.rollout.load_weights(self.engine.get_weights())
+    def _compute_advantage(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+        st.metrics.update(self._advantage(st.own, st.own_pad))
+        self.store.sync()
+        self._trace("advantage", st.sampled, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
+        if self.cfg.debug.check_invariants:
+            self._check_invariants(st.own)
+        return full
+
+    def _update_actor(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+        updates = [self.bridge.train(mb.meta(full), mb.micro_batches, use_kl_loss=self.cfg.actor.loss.use_kl_loss)
+                   for mb in st.plan.mini_batches(self.dp_rank)]
+        st.metrics.update(combine_update_metrics(updates))
+        st.metrics.update(self._sample_metrics(st.own, st.own_pad))
+        return full
+
+    def _clear(self, full: KVBatchMeta, st: "StepState") -> None:
+        self.replay.clear(st.sampled, extra_keys=st.plan.padding_keys)
+        self.store.kv_clear(st.uids, TRAIN)  # prompt keys of groups the replay buffer dropped earlier
+        st.metrics["store/keys_after_clear"] = global_sums([float(self.store.num_keys())], device=self.ctx.device)[0]
+
+    def _sync_weights(self, _: KVBatchMeta | None, st: "StepState") -> None:
+        self.rollout.load_weights(self.engine.get_weights())
+
+    def _finish(self, st: "StepState", seconds: float) -> dict[str, float]:
+        m = st.metrics
         if isinstance(self.kl_ctrl, AdaptiveKLController) and "kl/mean" in m:
-            self.kl_ctrl.update(m["kl/mean"], n_steps=B)
+            self.kl_ctrl.update(m["kl/mean"], n_steps=self.cfg.data.train_batch_size)
         m["kl/coef"] = float(self.kl_ctrl.value)
-        times["timing_s/step"] = time.perf_counter() - t_step
-        m.update(times)
-        tokens = float(sum(t["seq_len"] for t in meta.tags))
-        m["perf/tokens_per_s"] = tokens / max(times["timing_s/step"], 1e-9)
-        m.update(self._bytes_metrics())
+        st.times["timing_s/step"] = seconds
+        m.update(st.times)
+        tokens = float(sum(t["seq_len"] for t in st.sampled.tags))
+        m["perf/tokens_per_s"] = tokens / max(seconds, 1e-9)
+        received = per_rank_values(self.store.bytes_received, device=self.ctx.device)
+        self.store.bytes_received = 0
+        m.update({f"dataplane/bytes_received/rank{r}": v for r, v in enumerate(received)})
+        m["dataplane/bytes_received/max"] = max(received)
         return m
 
     def _check_invariants(self, own: list[str]) -> None:
@@ -389,21 +478,8 @@ class GRPOTrainer:
             return
         fields = ["prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask", "rm_scores",
                   "advantages", "returns"]
-        td = self.store.local.kv_batch_get(own, TRAIN, select_fields=fields, jagged=fields)
+        td = self.store.read_local(own, TRAIN, fields)
         assert_invariants(td, keys=own, tags=self.store.tags_of(own, TRAIN))
-
-    def _check_same_everywhere(self, items: Sequence[str], what: str) -> None:
-        """Every rank must plan from the same ordered keys; a divergence would silently train on wrong shares."""
-        import hashlib
-
-        digest = hashlib.sha256("\n".join(items).encode()).digest()[:8]
-        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=self.ctx.device)
-        lo, hi = mine.clone(), mine.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        if lo.item() != hi.item():
-            raise RuntimeError(f"{what} differs between ranks (rank {self.ctx.rank} holds {len(items)} items); "
-                               "the replicated tag view is out of sync")
 
     def _padding_flags(self, keys: list[str]) -> torch.Tensor:
         """``is_padding`` of each key, from the replicated tags."""
@@ -414,39 +490,35 @@ class GRPOTrainer:
         real = [k for k, p in zip(own, own_pad.tolist()) if not p]
         pad = [k for k, p in zip(own, own_pad.tolist()) if p]
         if real:
-            td = self.store.local.kv_batch_get(real, TRAIN, select_fields=["rollout_log_probs"],
-                                               jagged=["rollout_log_probs"])
+            td = self.store.read_local(real, TRAIN, ["rollout_log_probs"])
             self.store.kv_batch_put(real, TRAIN, TensorDict({"old_log_probs": td["rollout_log_probs"]},
                                                             batch_size=[len(real)]))
         if pad:
-            td = self.store.local.kv_batch_get(pad, TRAIN, select_fields=["response_mask"], jagged=["response_mask"])
+            td = self.store.read_local(pad, TRAIN, ["response_mask"])
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
             self.store.kv_batch_put(pad, TRAIN, TensorDict({"old_log_probs": to_nested(zeros)}, batch_size=[len(pad)]))
 
-    def _advantage(self, own: list[str], pad: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """On the rank that holds each group (all of a group is generated on one rank): KL, rewards, advantages.
+    def _advantage(self, own: list[str], pad: torch.Tensor) -> dict[str, float]:
+        """On the rank that holds each group (all of a group is generated on one rank): rewards, advantages.
 
-        Returns the jagged ``response_mask`` of ``own`` (None when the rank holds nothing) and the KL metrics.
+        Old and reference log-probs travel here only when the KL penalty enters the reward.
         """
         cfg = self.cfg
-        need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if self.ref_bridge else [])
+        in_reward = cfg.algorithm.use_kl_in_reward  # config validation guarantees a reference
+        need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else [])
         td = self.store.fetch(own, TRAIN, need)
         out: dict[str, float] = {}
-        kl_vals = torch.zeros(0, dtype=torch.float64)
         if own:
             lengths = nested_lengths(td["response_mask"])
-            mask = response_from_nested(td["response_mask"]).float()
-            scores = response_from_nested(td["rm_scores"]).float()
-            if self.ref_bridge is not None:
-                old = response_from_nested(td["old_log_probs"]).float()
-                ref = response_from_nested(td["ref_log_prob"]).float()
-                per_token = kl_penalty(old, ref, cfg.algorithm.kl_penalty) * mask
-                kl_vals = (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).double()
-            if cfg.algorithm.use_kl_in_reward:  # config validation guarantees a reference
+            mask = jagged_to_padded(td["response_mask"]).float()
+            scores = jagged_to_padded(td["rm_scores"]).float()
+            if in_reward:
+                old = jagged_to_padded(td["old_log_probs"]).float()
+                ref = jagged_to_padded(td["ref_log_prob"]).float()
                 rewards, _ = apply_kl_penalty(scores, old, ref, mask, self.kl_ctrl, cfg.algorithm.kl_penalty)
             else:
                 rewards = scores
-            index = [k.split("_", 1)[0] for k in own]
+            index = [uid_of(k) for k in own]
             kwargs = dict(token_level_rewards=rewards, response_mask=mask, index=index, is_padding=pad,
                           norm_adv_by_std=cfg.algorithm.norm_adv_by_std, gamma=cfg.algorithm.gamma,
                           lam=cfg.algorithm.lam)
@@ -454,42 +526,30 @@ class GRPOTrainer:
             takes = inspect.signature(get_advantage_fn(cfg.algorithm.adv_estimator)).parameters
             adv, ret = compute_advantage(cfg.algorithm.adv_estimator,
                                          **{k: v for k, v in kwargs.items() if k in takes})
-            fields = {"token_level_scores": response_to_nested(scores, lengths),
-                      "token_level_rewards": response_to_nested(rewards, lengths),
-                      "advantages": response_to_nested(adv.float(), lengths),
-                      "returns": response_to_nested(ret.float(), lengths)}
+            fields = {"token_level_scores": padded_to_jagged(scores, lengths),
+                      "token_level_rewards": padded_to_jagged(rewards, lengths),
+                      "advantages": padded_to_jagged(adv.float(), lengths),
+                      "returns": padded_to_jagged(ret.float(), lengths)}
             self.store.kv_batch_put(own, TRAIN, TensorDict(fields, batch_size=[len(own)]))
-        if self.ref_bridge is not None:
-            out.update(distributed_masked_stats(kl_vals, pad, "kl", device=self.ctx.device))
-        return (td["response_mask"] if own else None), out
+        return out
 
-    def _sample_metrics(self, response_mask: torch.Tensor | None, pad: torch.Tensor) -> dict[str, float]:
+    def _sample_metrics(self, own: list[str], pad: torch.Tensor) -> dict[str, float]:
         """Response and policy length statistics over real samples (padding excluded), over all ranks."""
-        if response_mask is None:
-            resp_len = policy_len = torch.zeros(0, dtype=torch.int64)
+        if own:
+            resp_len, policy_len = sample_lengths(self.store.read_local(own, TRAIN, ["response_mask"])["response_mask"])
         else:
-            resp_len, policy_len = sample_lengths(response_mask)
+            resp_len = policy_len = torch.zeros(0, dtype=torch.int64)
         return {**distributed_masked_stats(resp_len.double(), pad, "response_length", device=self.ctx.device),
                 **distributed_masked_stats(policy_len.double(), pad, "policy_length", device=self.ctx.device)}
-
-    def _bytes_metrics(self) -> dict[str, float]:
-        mine = torch.tensor([float(self.store.bytes_received)], dtype=torch.float64, device=self.ctx.device)
-        parts = [torch.zeros_like(mine) for _ in range(self.ctx.world)]
-        dist.all_gather(parts, mine)
-        self.store.bytes_received = 0
-        vals = [float(p.item()) for p in parts]
-        out = {f"dataplane/bytes_received/rank{r}": v for r, v in enumerate(vals)}
-        out["dataplane/bytes_received/max"] = max(vals)
-        return out
 
     def _trace(self, stage: str, meta: KVBatchMeta, fields: list[str], producer: str, consumer: str) -> None:
         if not self.trace.enabled:
             return
-        sel = [k for k in meta.keys if k.split("_", 1)[0] == self.trace.sample_uid]
+        sel = [k for k in meta.keys if uid_of(k) == self.trace.sample_uid]
         own = [k for k in sel if all(self.store.location(k, f, TRAIN) == self.ctx.rank for f in fields)]
         if not own:
             return
-        td = self.store.local.kv_batch_get(own, TRAIN, select_fields=fields, jagged=fields)
+        td = self.store.read_local(own, TRAIN, fields)
         self.trace.record(stage, td, own, self.store.tags_of(own, TRAIN), producer=producer, consumer=consumer)
 
     # ------------------------------------------------------------------------------------------------ validation
@@ -501,8 +561,8 @@ class GRPOTrainer:
         sampling = {"temperature": 0.0, "top_p": 1.0, "max_tokens": self.cfg.data.max_response_length}
         self._rollout(rows, uids, VAL, self.step, sampling)
         keys = [k for k in self.store.kv_list(VAL).get(VAL, {}) if "_" in k]
-        own = self._local_keys(keys, VAL)
-        scores = self._score(own, VAL, dict(zip(uids, rows)))
+        own = self.store.local_keys(keys, VAL, "responses")
+        scores = self._score(own, VAL, dict(zip(uids, rows))).scores
         stats = distributed_masked_stats(scores.double(), None, "val/score", device=self.ctx.device) if keys \
             else {}
         self.store.kv_clear(keys, VAL)

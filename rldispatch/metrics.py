@@ -14,7 +14,8 @@ from protocol.batch.nested import nested_offsets, nested_values
 
 __all__ = [
     "MetricsError", "MetricsLogger", "Timer", "masked_stats", "length_stats", "sample_lengths",
-    "distributed_masked_stats", "to_float_dict", "read_metrics",
+    "distributed_masked_stats", "to_float_dict", "read_metrics", "global_sums", "per_rank_values",
+    "check_same_everywhere",
 ]
 
 
@@ -99,6 +100,44 @@ def distributed_masked_stats(values: Any, is_padding: Any = None, name: str = "v
                            "no statistic can be computed")
     return {f"{name}/mean": g_mean, f"{name}/std": math.sqrt(max(g_m2 / total, 0.0)), f"{name}/min": g_lo,
             f"{name}/max": g_hi}
+
+
+def global_sums(values: list[float], device: Any = None, group: Any = None) -> list[float]:
+    """Each of a few scalars summed over the ranks of ``group``, in one all-reduce (float64)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return [float(x) for x in t.cpu()]
+
+
+def per_rank_values(value: float, device: Any = None, group: Any = None) -> list[float]:
+    """One scalar from every rank of ``group``, indexed by rank (an all-gather)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [float(p.item()) for p in parts]
+
+
+def check_same_everywhere(items: Any, what: str, device: Any = None, group: Any = None) -> None:
+    """Raise when ``items`` (a sequence of str) differ between ranks: a hash compared by MIN/MAX all-reduces.
+
+    Every rank must plan from the same ordered keys; a divergence would silently train on wrong shares.
+    """
+    import hashlib
+
+    import torch.distributed as dist
+
+    digest = hashlib.sha256("\n".join(items).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
+    lo, hi = mine.clone(), mine.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    if lo.item() != hi.item():
+        raise RuntimeError(f"{what} differs between ranks (rank {dist.get_rank()} holds {len(items)} items); "
+                           "the replicated tag view is out of sync")
 
 
 def sample_lengths(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,9 +16,11 @@ from backends.config import EngineConfig
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.share import ShareView, read_share
 from backends.fsdp.ulysses import check_sp_heads, gather_seq, pad_to_multiple, ulysses_attention
+from dispatch.topology import Topology
 from backends.comm import allreduce_counts
 from protocol.algos.logprob import logprobs_of_targets, response_logit_positions
-from backends.model.hf import initial_model
+from backends.model.hf import check_hf_config
+from backends.model.llama import LlamaModel
 from backends.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from protocol.algos.losses import entropy_bonus, global_counts, kl_loss, policy_loss
 from protocol.batch.nested import to_nested
@@ -46,7 +48,7 @@ class FSDPEngine(Engine):
     (dp, sp) with ``sp = fsdp.ulysses_sp`` fastest: DP rank = rank // sp, SP rank = rank % sp.
     """
 
-    def __init__(self, config: EngineConfig, topology: Any = None) -> None:
+    def __init__(self, config: EngineConfig, topology: Topology | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("FSDPEngine needs torch.distributed.init_process_group to have been called")
         self.config = config
@@ -80,15 +82,10 @@ class FSDPEngine(Engine):
         self._attention = ulysses_attention(self.sp_group) if sp > 1 else None
 
         torch.manual_seed(config.seed)
-        model = initial_model(config.model, config.seed).to(self.device)
-        model.activation_checkpointing = bool(fc.activation_checkpointing)
         param_dtype = resolve_dtype(fc.param_dtype, "actor.fsdp.param_dtype", on_gpu)
         reduce_dtype = resolve_dtype(fc.reduce_dtype, "actor.fsdp.reduce_dtype", on_gpu)
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for layer in model.layers:
-            fully_shard(layer, mesh=self.fsdp_mesh, mp_policy=mp)
-        fully_shard(model, mesh=self.fsdp_mesh, mp_policy=mp)
-        self.model = model
+        self.model = self._build_model(MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+        model = self.model
         self.optimizer = build_optimizer(model.parameters(), config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
         self.global_step = 0
@@ -98,8 +95,32 @@ class FSDPEngine(Engine):
         # plain sum of the replicas' shares, i.e. the single-process full-batch gradient.
         self.loss_scale = float(self._dp_size)
 
+    # ---- model ----------------------------------------------------------------------------------------------
+    def _build_model(self, mp: MixedPrecisionPolicy) -> LlamaModel:
+        """The fully sharded model: per decoder block and at the root.
+
+        From a checkpoint (``model.hf_path``) the model is built on the meta device, sharded, materialised empty
+        and each rank reads only its own rows from the safetensors files, so no rank holds the full model. A
+        random start (no checkpoint) is built whole from the seed (the same weights for every world size).
+        """
+        cfg = self.config.model
+        if cfg.hf_path:
+            check_hf_config(cfg)
+            with torch.device("meta"):
+                model = LlamaModel(cfg)
+        else:
+            model = LlamaModel.from_seed(cfg, self.config.seed).to(self.device)
+        model.activation_checkpointing = bool(self.config.fsdp.activation_checkpointing)
+        for layer in model.layers:
+            fully_shard(layer, mesh=self.fsdp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=self.fsdp_mesh, mp_policy=mp)
+        if cfg.hf_path:
+            model.to_empty(device=self.device)
+            ckpt.load_hf_shards(model, cfg.hf_path)
+        return model
+
     # ---- topology -------------------------------------------------------------------------------------------
-    def _check_topology(self, topology: Any) -> None:
+    def _check_topology(self, topology: Topology) -> None:
         dp = getattr(topology, "dp_size", None)
         dpr = topology.dp_rank(self.rank) if hasattr(topology, "dp_rank") else None
         rep = topology.is_reporting(self.rank) if hasattr(topology, "is_reporting") else self.sp_rank == 0

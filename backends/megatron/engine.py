@@ -24,6 +24,7 @@ from backends.megatron.cpu_shim import apply_cpu_shim
 from backends.megatron.logprob import vocab_parallel_logprobs_entropy
 from backends.megatron.model import build_model_chunks, te_available, transformer_config
 from backends.optim import lr_factor
+from dispatch.topology import Topology
 from protocol.algos.losses import entropy_bonus, kl_loss, policy_loss
 from protocol.batch.nested import to_nested
 
@@ -91,7 +92,7 @@ class MegatronEngine(Engine):
     so both backends begin from the same model.
     """
 
-    def __init__(self, config: EngineConfig, topology: Any) -> None:
+    def __init__(self, config: EngineConfig, topology: Topology) -> None:
         if not dist.is_initialized():
             raise RuntimeError("MegatronEngine needs torch.distributed.init_process_group() to have been called")
         self.config = config
@@ -136,7 +137,7 @@ class MegatronEngine(Engine):
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
-    def _check_topology_config(topology: Any, par) -> None:
+    def _check_topology_config(topology: Topology, par) -> None:
         if getattr(topology, "backend", "megatron") != "megatron":
             raise TopologyMismatch(f"topology.backend is {topology.backend!r}; the megatron engine needs a "
                                    "topology built with backend='megatron'")
@@ -151,7 +152,7 @@ class MegatronEngine(Engine):
             raise TopologyMismatch(f"topology.world_size = {topology.world_size} but torch.distributed has "
                                    f"{world} ranks")
 
-    def _check_topology_parallel_state(self, topology: Any) -> None:
+    def _check_topology_parallel_state(self, topology: Topology) -> None:
         """Every rank's (dp, tp, pp, cp, reporting) from megatron-core must equal the dispatch layer's."""
         mine = parallel_coords()
         from megatron.core import parallel_state as ps

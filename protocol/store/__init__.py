@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import DEFAULT_MAX_CLEARED_MARKS, KVStore
+from .base import DEFAULT_MAX_CLEARED_MARKS, KVStore, StepStore
 from .keys import is_prompt_key, uid_of
 from .batching import assemble_field
 from .errors import FieldOverwriteError, FieldShapeError, LateWriteError, StoreClosedError, StoreKeyError
@@ -14,6 +14,7 @@ from .local import LocalStore
 
 __all__ = [
     "KVStore",
+    "StepStore",
     "LocalStore",
     "TransferQueueStore",
     "StoreKeyError",

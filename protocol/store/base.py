@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from tensordict import TensorDict
@@ -41,6 +41,7 @@ from .errors import StoreKeyError, preview
 
 __all__ = [
     "KVStore",
+    "StepStore",
     "check_partition",
     "check_keys",
     "check_tags",
@@ -134,8 +135,44 @@ class ClearedMarks:
         self._marks.clear()
 
 
+@runtime_checkable
+class StepStore(Protocol):
+    """The verbs a training step needs from its store, whether one process's or a view across ranks.
+
+    :class:`KVStore` implements them for one process (every value is local, :meth:`sync` has nothing to do); the
+    trainer's cross-rank view implements them with replicated tags and point-to-point :meth:`fetch`.
+    """
+
+    def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: TensorDict | None = None,
+                     tags: Sequence[dict] | None = None, overwrite: bool = False) -> Any: ...
+
+    def kv_batch_get_tags(self, keys: Sequence[str], partition_id: str) -> list[dict]: ...
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]: ...
+
+    def kv_clear(self, keys: Sequence[str], partition_id: str) -> int: ...
+
+    def local_keys(self, keys: Sequence[str], partition_id: str, field: str) -> list[str]:
+        """Those of ``keys`` whose ``field`` this process holds, in order."""
+
+    def read_local(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
+        """``fields`` of keys this process holds (per-token fields jagged), without communication."""
+
+    def fetch(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
+        """``fields`` of ``keys`` wherever they are held (a collective for a cross-rank store)."""
+
+    def sync(self) -> None:
+        """Make tags and value locations written since the last call visible everywhere."""
+
+    def num_keys(self) -> int:
+        """Keys this process still knows of (tags or values): 0 after a step's clean-up."""
+
+
 class KVStore(abc.ABC):
-    """Abstract KV store with TransferQueue verbs; see the module docstring for the rules."""
+    """Abstract KV store with TransferQueue verbs; see the module docstring for the rules.
+
+    It is also a :class:`StepStore` for a single process: every value is local and :meth:`sync` is a no-op.
+    """
 
     # ---- writes -------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -194,6 +231,26 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything the store holds; later calls raise StoreClosedError."""
+
+    # ---- the StepStore verbs of a single process ----------------------------------------------------
+    def local_keys(self, keys: Sequence[str], partition_id: str, field: str) -> list[str]:
+        """Those of ``keys`` present in ``partition_id``: in one process every value is local."""
+        held = self.kv_list(partition_id).get(partition_id, {})
+        return [k for k in keys if k in held]
+
+    def read_local(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
+        """:meth:`kv_batch_get` of ``fields``, each per-token field jagged."""
+        return self.kv_batch_get(keys, partition_id, select_fields=list(fields), jagged=list(fields))
+
+    def fetch(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
+        """In one process every value is local: :meth:`read_local`."""
+        return self.read_local(keys, partition_id, fields)
+
+    def sync(self) -> None:
+        """Nothing to replicate in one process."""
+
+    def num_keys(self) -> int:
+        return int(self.stats().get("keys", 0))
 
     def __enter__(self) -> "KVStore":
         return self
