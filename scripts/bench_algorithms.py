@@ -28,7 +28,7 @@ from protocol.invariants import check_invariants  # noqa: E402
 from protocol.store.keys import new_uid, trajectory_key, trajectory_tag  # noqa: E402
 from protocol.algos.kl import FixedKLController, apply_kl_penalty  # noqa: E402
 from protocol.algos.losses import global_counts, policy_loss  # noqa: E402
-from protocol.batch.nested import response_to_nested, to_nested  # noqa: E402
+from protocol.batch.nested import padded_to_jagged, to_nested  # noqa: E402
 from protocol.algos.reward import compute_rm_scores  # noqa: E402
 
 
@@ -102,7 +102,7 @@ def main() -> None:
         "prompts": to_nested(prompts), "responses": to_nested(responses),
         "input_ids": to_nested([torch.cat([p, r]) for p, r in zip(prompts, responses)]),
         "position_ids": to_nested([torch.arange(P + int(lengths[i])) for i in range(n)]),
-        "response_mask": to_nested(m_rows), "rm_scores": response_to_nested(rm, lengths),
+        "response_mask": to_nested(m_rows), "rm_scores": padded_to_jagged(rm, lengths),
     }, batch_size=[n])
     keys = [trajectory_key(index[i], i % args.group, 0) for i in range(n)]
     tags = [trajectory_tag(P, int(lengths[i]), 0) for i in range(n)]

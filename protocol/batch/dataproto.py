@@ -7,7 +7,9 @@ checked at construction, so a split that does not line up fails where it happens
 
 Method names and semantics follow the widely used reference ``DataProto``, so code ports with an import change.
 Jagged (``torch.nested``, ``layout=torch.jagged``) fields survive every operation: indexing, select, slice, chunk,
-split, concat, union, repeat, reorder, pad/unpad, pickling and save/load.
+split, concat, union, repeat, reorder, pad/unpad, pickling and save/load; strided nested tensors (ragged in more than
+one dimension) survive them too, sample by sample. Refusals are ``ValueError``/``KeyError``/``TypeError`` subclasses
+that are also ``AssertionError``, because the reference system asserts the same conditions.
 
 Example::
 
@@ -21,9 +23,11 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import numbers
+import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,30 +42,52 @@ try:  # the function tensordict itself uses to unpickle a consolidated TensorDic
 except ImportError:  # pragma: no cover - depends on the installed tensordict
     _rebuild_consolidated = None
 
-from protocol.batch.nested import is_jagged, nested_lengths, nested_values, to_nested
-from protocol.batch.serialize import deserialize_tensordict, serialize_tensordict
+from protocol.batch.nested import (
+    is_jagged, is_strided_nested, nested_lengths, nested_values, strided_nested, to_nested,
+)
+from protocol.batch.serialize import (
+    deserialize_single_tensor, deserialize_tensordict, serialize_single_tensor, serialize_tensordict,
+)
 
 __all__ = [
     "DataProtoError",
+    "DataProtoKeyError",
+    "DataProtoTypeError",
     "BatchSizeMismatchError",
     "UnionConflictError",
     "MetaInfoConflictError",
+    "DataProtoConfig",
+    "auto_padding",
     "DataProto",
     "DataProtoItem",
     "to_object_array",
     "union_tensor_dict",
     "union_numpy_dict",
     "union_meta_info",
+    "list_of_dict_to_dict_of_list",
     "pad_dataproto_to_divisor",
     "unpad_dataproto",
+    "fold_batch_dim",
+    "unfold_batch_dim",
     "collate_fn",
+    "serialize_single_tensor",
+    "deserialize_single_tensor",
     "serialize_tensordict",
     "deserialize_tensordict",
 ]
 
 
-class DataProtoError(ValueError):
-    """Base class of every refusal raised by :class:`DataProto`."""
+class DataProtoError(ValueError, AssertionError):
+    """Base class of every refusal raised by :class:`DataProto` (an ``AssertionError`` too, as the reference
+    system asserts these conditions, so its ``except AssertionError`` clauses keep working)."""
+
+
+class DataProtoKeyError(KeyError, AssertionError):
+    """A batch, non-tensor or meta_info key that was asked for and is not there (or already taken)."""
+
+
+class DataProtoTypeError(DataProtoError, TypeError):
+    """A value of the wrong type handed to DataProto (where the reference system asserts or raises ValueError)."""
 
 
 class BatchSizeMismatchError(DataProtoError):
@@ -105,6 +131,9 @@ def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
     if is_jagged(a) != is_jagged(b) or a.is_nested != b.is_nested:
         return False
+    if is_strided_nested(a):
+        ca, cb = a.unbind(), b.unbind()
+        return len(ca) == len(cb) and all(_tensors_equal(x, y) for x, y in zip(ca, cb))
     if is_jagged(a):
         if not torch.equal(nested_lengths(a).cpu(), nested_lengths(b).cpu()):
             return False
@@ -118,29 +147,54 @@ def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _values_equal(a: Any, b: Any) -> bool:
-    """Equality that treats NaN as equal to NaN and works for tensors, arrays and nested containers."""
+def _is_nan(x: Any) -> bool:
+    try:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isnan(x)
+    except (TypeError, ValueError):
+        return False
+
+
+def _values_equal(a: Any, b: Any, _active: set[tuple[int, int]] | None = None) -> bool:
+    """Deep equality for tensors, arrays and containers that treats NaN as equal to NaN and stops on cycles.
+
+    A pair of containers met again while it is still being compared (a self-referencing object array, a list that
+    holds itself) counts as equal, so comparing two cyclic structures terminates with the structural answer.
+    """
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _tensors_equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
-            return False
-        if a.dtype.kind in "biufc" and b.dtype.kind in "biufc":
-            return bool(np.array_equal(a, b, equal_nan=True))
-        return all(_values_equal(x, y) for x, y in zip(a.reshape(-1), b.reshape(-1)))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+    if isinstance(a, (np.ndarray, Mapping, list, tuple)) and isinstance(b, (np.ndarray, Mapping, list, tuple)):
+        active = set() if _active is None else _active
+        pair = (id(a), id(b))
+        if pair in active:
+            return True
+        active.add(pair)
+        try:
+            return _containers_equal(a, b, active)
+        finally:
+            active.discard(pair)
+    if _is_nan(a) and _is_nan(b):
         return True
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
     try:
         result = a == b
         return bool(result)
     except Exception:  # noqa: BLE001 - objects whose == is not a boolean are treated as different
         return False
+
+
+def _containers_equal(a: Any, b: Any, active: set[tuple[int, int]]) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
+            return False
+        if a.dtype.kind in "biufc" and b.dtype.kind in "biufc":
+            return bool(np.array_equal(a, b, equal_nan=True))
+        return all(_values_equal(x, y, active) for x, y in zip(a.reshape(-1), b.reshape(-1)))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k], active) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y, active) for x, y in zip(a, b))
+    return False
 
 
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
@@ -216,10 +270,97 @@ def _check_int(value: Any, name: str, minimum: int) -> int:
     return int(value)
 
 
+def list_of_dict_to_dict_of_list(list_of_dict: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """``[{k: v}, ...]`` -> ``{k: [v, ...]}`` in order; keys come in first-seen order and a dict without a key
+    adds nothing to it (the reference system refuses keys missing from the first dict; here they are kept).
+
+    >>> list_of_dict_to_dict_of_list([{"loss": 0.5}, {"loss": 0.6, "acc": 1.0}])
+    {'loss': [0.5, 0.6], 'acc': [1.0]}
+    """
+    out: dict[str, list] = {}
+    for i, entry in enumerate(list_of_dict):
+        if not isinstance(entry, Mapping):
+            raise DataProtoTypeError(f"list_of_dict_to_dict_of_list: entry {i} is {type(entry).__name__}; "
+                                     f"expected a dict")
+        for key, value in entry.items():
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def _strided_keys(batch: TensorDict) -> list[Any]:
+    return [k for k in batch.keys(include_nested=True, leaves_only=True) if is_strided_nested(batch.get(k))]
+
+
+def _index_batch(batch: TensorDict, idx: np.ndarray) -> TensorDict:
+    """``batch[idx]``; strided nested fields (which torch cannot index by tensor) are gathered sample by sample."""
+    strided = _strided_keys(batch)
+    if not strided:
+        return batch[torch.from_numpy(idx)]
+    out = batch.exclude(*strided)[torch.from_numpy(idx)]
+    for key in strided:
+        value = batch.get(key)
+        components = value.unbind()
+        out.set(key, strided_nested([components[i] for i in idx.tolist()], dtype=value.dtype, device=value.device))
+    return out
+
+
 def _keys_list(keys: str | Iterable[str] | None) -> list[str] | None:
     if keys is None:
         return None
     return [keys] if isinstance(keys, str) else list(keys)
+
+
+# ------------------------------------------------------------------------------------------- auto-padding
+
+_AUTO_PADDING_ENV = "VERL_AUTO_PADDING"
+
+
+class _DataProtoConfigMeta(type):
+    """Class-level properties for :class:`DataProtoConfig` (``DataProtoConfig.auto_padding = True`` validates)."""
+
+    @property
+    def auto_padding(cls) -> bool:
+        enabled_by_env = os.environ.get(_AUTO_PADDING_ENV, "FALSE").strip().upper() in ("TRUE", "1")
+        return enabled_by_env or cls._auto_padding
+
+    @auto_padding.setter
+    def auto_padding(cls, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise DataProtoTypeError(f"DataProtoConfig.auto_padding: expected a bool, found {enabled!r} "
+                                     f"({type(enabled).__name__})")
+        cls._auto_padding = enabled
+
+
+class DataProtoConfig(metaclass=_DataProtoConfigMeta):
+    """Process-wide DataProto switches, named as in the reference system.
+
+    ``DataProtoConfig.auto_padding`` (or the environment variable ``VERL_AUTO_PADDING=1``/``TRUE``) lets
+    :meth:`DataProto.chunk` split a batch whose length the chunk count does not divide, for callers that pad with
+    :meth:`DataProto.padding` first; one batch opts in alone with ``from_dict(..., auto_padding=True)``, which
+    sets ``meta_info[DataProtoConfig.auto_padding_key]``.
+    """
+
+    auto_padding_key = "_verl_auto_padding"
+    _auto_padding = False
+
+
+@contextlib.contextmanager
+def auto_padding(enabled: bool = True) -> Iterator[None]:
+    """Set ``DataProtoConfig.auto_padding`` for a ``with`` block and restore the previous value afterwards.
+
+    The environment variable still wins: with ``VERL_AUTO_PADDING=1`` padding stays enabled inside
+    ``auto_padding(False)``.
+
+    >>> with auto_padding():
+    ...     DataProtoConfig.auto_padding
+    True
+    """
+    previous = DataProtoConfig._auto_padding
+    DataProtoConfig.auto_padding = enabled
+    try:
+        yield
+    finally:
+        DataProtoConfig._auto_padding = previous
 
 
 # --------------------------------------------------------------------------------------------- the classes
@@ -248,9 +389,9 @@ class DataProto:
         if self.meta_info is None:
             self.meta_info = {}
         if not isinstance(self.non_tensor_batch, dict):
-            raise TypeError(f"non_tensor_batch: expected a dict, found {type(self.non_tensor_batch).__name__}")
+            raise DataProtoTypeError(f"non_tensor_batch: expected a dict, found {type(self.non_tensor_batch).__name__}")
         if not isinstance(self.meta_info, dict):
-            raise TypeError(f"meta_info: expected a dict, found {type(self.meta_info).__name__}")
+            raise DataProtoTypeError(f"meta_info: expected a dict, found {type(self.meta_info).__name__}")
         self.non_tensor_batch = {k: to_object_array(v, f"non_tensor_batch[{k!r}]")
                                  for k, v in self.non_tensor_batch.items()}
         self.check_consistency()
@@ -261,7 +402,7 @@ class DataProto:
         """Refuse a batch whose TensorDict is not 1-D or whose non-tensor arrays have another length."""
         if self.batch is not None:
             if not isinstance(self.batch, TensorDict):
-                raise TypeError(f"batch: expected a tensordict.TensorDict or None, found {type(self.batch).__name__}")
+                raise DataProtoTypeError(f"batch: expected a tensordict.TensorDict or None, found {type(self.batch).__name__}")
             if self.batch.batch_dims != 1:
                 raise BatchSizeMismatchError(f"batch: expected exactly one batch dimension, found batch_size "
                                              f"{tuple(self.batch.batch_size)}")
@@ -269,7 +410,7 @@ class DataProto:
         ref = "batch"
         for key, value in self.non_tensor_batch.items():
             if not isinstance(value, np.ndarray):
-                raise TypeError(f"non_tensor_batch[{key!r}]: expected a numpy array, found {type(value).__name__}")
+                raise DataProtoTypeError(f"non_tensor_batch[{key!r}]: expected a numpy array, found {type(value).__name__}")
             if n is None:
                 n, ref = value.shape[0], f"non_tensor_batch[{next(iter(self.non_tensor_batch))!r}]"
             elif value.shape[0] != n:
@@ -277,7 +418,8 @@ class DataProto:
                                              f"has {n} samples")
 
     @classmethod
-    def from_single_dict(cls, data: Mapping[str, Any], meta_info: dict | None = None) -> DataProto:
+    def from_single_dict(cls, data: Mapping[str, Any], meta_info: dict | None = None,
+                         auto_padding: bool = False) -> DataProto:
         """Split one dict into tensors (torch) and per-sample objects (numpy arrays, lists)."""
         tensors, non_tensors = {}, {}
         for key, value in data.items():
@@ -286,18 +428,22 @@ class DataProto:
             elif isinstance(value, (np.ndarray, list, tuple)):
                 non_tensors[key] = value
             else:
-                raise TypeError(f"from_single_dict: {key!r} holds {type(value).__name__}; expected a torch.Tensor "
-                                f"(batch field) or a numpy array / list (per-sample objects); put shared values "
-                                f"in meta_info")
-        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+                raise DataProtoTypeError(f"from_single_dict: {key!r} holds {type(value).__name__}; expected a "
+                                         f"torch.Tensor (batch field) or a numpy array / list (per-sample objects); "
+                                         f"put shared values in meta_info")
+        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding)
 
     @classmethod
     def from_dict(cls, tensors: Mapping[str, torch.Tensor] | None = None,
                   non_tensors: Mapping[str, Any] | None = None, meta_info: dict | None = None,
-                  num_batch_dims: int = 1) -> DataProto:
-        """Build from tensors (dense ``[n, ...]`` or jagged ``[n, j, ...]``), per-sample objects and meta info."""
+                  num_batch_dims: int = 1, auto_padding: bool = False) -> DataProto:
+        """Build from tensors (dense ``[n, ...]``, jagged ``[n, j, ...]`` or strided nested), per-sample objects
+        and meta info; ``auto_padding=True`` opts this batch in to :attr:`DataProtoConfig.auto_padding`."""
         if num_batch_dims != 1:
-            raise ValueError(f"num_batch_dims: only 1 is supported (dim 0 = samples), found {num_batch_dims}")
+            raise BatchSizeMismatchError(f"num_batch_dims: only 1 is supported (dim 0 = samples), found "
+                                         f"{num_batch_dims}")
+        if not isinstance(auto_padding, bool):
+            raise DataProtoTypeError(f"from_dict: auto_padding must be a bool, found {type(auto_padding).__name__}")
         tensors = dict(tensors or {})
         non_tensors = dict(non_tensors or {})
         batch = None
@@ -305,22 +451,22 @@ class DataProto:
             first_key, n = None, None
             for key, value in tensors.items():
                 if not isinstance(value, torch.Tensor):
-                    raise TypeError(f"tensors[{key!r}]: expected a torch.Tensor, found {type(value).__name__}")
+                    raise DataProtoTypeError(f"tensors[{key!r}]: expected a torch.Tensor, found {type(value).__name__}")
                 if value.dim() < 1:
                     raise BatchSizeMismatchError(f"tensors[{key!r}]: expected a batch dimension, found a scalar; "
                                                  f"put shared scalars in meta_info")
-                if value.is_nested and not is_jagged(value):
-                    raise TypeError(f"tensors[{key!r}]: strided nested tensors are not supported; "
-                                    f"use layout=torch.jagged (protocol.batch.nested.to_nested)")
                 if n is None:
                     first_key, n = key, _batch_len(value)
                 elif _batch_len(value) != n:
                     raise BatchSizeMismatchError(f"tensors[{key!r}] has {_batch_len(value)} samples but "
                                                  f"tensors[{first_key!r}] has {n}")
             batch = TensorDict(tensors, batch_size=[n])
+        meta = dict(meta_info or {})
+        if auto_padding:
+            meta[DataProtoConfig.auto_padding_key] = True
         return cls(batch=batch, non_tensor_batch={k: to_object_array(v, f"non_tensors[{k!r}]")
                                                   for k, v in non_tensors.items()},
-                   meta_info=dict(meta_info or {}))
+                   meta_info=meta)
 
     @classmethod
     def from_tensordict(cls, tensor_dict: TensorDict, meta_info: dict | None = None,
@@ -401,7 +547,7 @@ class DataProto:
 
     def _take(self, idx: np.ndarray, meta_info: dict | None = None) -> DataProto:
         idx = np.ascontiguousarray(idx, dtype=np.int64)
-        batch = self.batch[torch.from_numpy(idx)] if self.batch is not None else None
+        batch = _index_batch(self.batch, idx) if self.batch is not None else None
         return type(self)(batch=batch, non_tensor_batch={k: v[idx] for k, v in self.non_tensor_batch.items()},
                           meta_info=dict(self.meta_info) if meta_info is None else meta_info)
 
@@ -412,7 +558,7 @@ class DataProto:
     def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
         """New DataProto of samples ``start:end:step`` (Python slice semantics)."""
         sl = slice(start, end, step)
-        if step is not None and step <= 0:
+        if step is not None and step <= 0 or (self.batch is not None and _strided_keys(self.batch)):
             return self._take(np.arange(len(self))[sl])
         batch = self.batch[sl] if self.batch is not None else None
         return type(self)(batch=batch, non_tensor_batch={k: v[sl] for k, v in self.non_tensor_batch.items()},
@@ -427,12 +573,12 @@ class DataProto:
         if batch_keys is not None:
             if self.batch is None:
                 if batch_keys:
-                    raise KeyError(f"select: batch keys {batch_keys} requested but this DataProto has no batch")
+                    raise DataProtoKeyError(f"select: batch keys {batch_keys} requested but this DataProto has no batch")
                 batch = None
             else:
                 missing = [k for k in batch_keys if k not in self.batch.keys()]
                 if missing:
-                    raise KeyError(f"select: batch keys {missing} not found; available: {sorted(self.batch.keys())}")
+                    raise DataProtoKeyError(f"select: batch keys {missing} not found; available: {sorted(self.batch.keys())}")
                 batch = self.batch.select(*batch_keys)
         else:
             batch = self.batch
@@ -458,7 +604,7 @@ class DataProto:
                                  ("meta_info", meta_info_keys, self.meta_info)):
             missing = [k for k in keys if k not in pool]
             if missing:
-                raise KeyError(f"pop: {kind} keys {missing} not found; available: {sorted(pool)}")
+                raise DataProtoKeyError(f"pop: {kind} keys {missing} not found; available: {sorted(pool)}")
         tensors = {k: self.batch.pop(k) for k in batch_keys}
         batch = TensorDict(tensors, batch_size=[len(self)]) if batch_keys else None
         non_tensor = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys}
@@ -474,12 +620,12 @@ class DataProto:
         if len(set(new_keys)) != len(new_keys):
             raise ValueError(f"rename: new keys {new_keys} contain duplicates")
         if old_keys and self.batch is None:
-            raise KeyError(f"rename: keys {old_keys} requested but this DataProto has no batch")
+            raise DataProtoKeyError(f"rename: keys {old_keys} requested but this DataProto has no batch")
         for old, new in zip(old_keys, new_keys):
             if old not in self.batch.keys():
-                raise KeyError(f"rename: batch key {old!r} not found; available: {sorted(self.batch.keys())}")
+                raise DataProtoKeyError(f"rename: batch key {old!r} not found; available: {sorted(self.batch.keys())}")
             if new in self.batch.keys() and new not in old_keys:
-                raise KeyError(f"rename: new key {new!r} already exists in batch")
+                raise DataProtoKeyError(f"rename: new key {new!r} already exists in batch")
         tensors = {old: self.batch.pop(old) for old in old_keys}
         for old, new in zip(old_keys, new_keys):
             self.batch.set(new, tensors[old])
@@ -488,7 +634,7 @@ class DataProto:
     def union(self, other: DataProto) -> DataProto:
         """Add ``other``'s fields to this DataProto in place (returns self); a shared key must hold equal values."""
         if not isinstance(other, DataProto):
-            raise TypeError(f"union: expected a DataProto, found {type(other).__name__}")
+            raise DataProtoTypeError(f"union: expected a DataProto, found {type(other).__name__}")
         if len(self) != len(other) and (self.batch is not None or self.non_tensor_batch) and (
                 other.batch is not None or other.non_tensor_batch):
             raise BatchSizeMismatchError(f"union: this batch has {len(self)} samples, the other {len(other)}")
@@ -505,14 +651,64 @@ class DataProto:
     # ------------------------------------------------------------------------------------- split / merge
 
     def chunk(self, chunks: int) -> list[DataProto]:
-        """Split into ``chunks`` equal parts; ``len(self)`` must be divisible by ``chunks``."""
+        """Split into ``chunks`` equal parts; ``len(self)`` must be divisible by ``chunks``.
+
+        With auto-padding enabled (:meth:`is_padding_enabled`) an indivisible batch is split into exactly ``chunks``
+        consecutive parts whose sizes differ by at most one, the longer ones first.
+        """
         chunks = _check_int(chunks, "chunk: chunks", 1)
         n = len(self)
-        if n % chunks:
+        if n % chunks and not self.is_padding_enabled():
             raise BatchSizeMismatchError(f"chunk: {n} samples cannot be split into {chunks} equal chunks; pad with "
-                                         f"pad_dataproto_to_divisor(data, {chunks}) first")
-        size = n // chunks
-        return [self.slice(i * size, (i + 1) * size) for i in range(chunks)]
+                                         f"pad_dataproto_to_divisor(data, {chunks}) or data.padding(...) first, or "
+                                         f"enable DataProtoConfig.auto_padding")
+        bounds = np.cumsum([0] + [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)])
+        return [self.slice(int(bounds[i]), int(bounds[i + 1])) for i in range(chunks)]
+
+    def is_padding_enabled(self) -> bool:
+        """True when this batch opted in (``from_dict(auto_padding=True)``) or :class:`DataProtoConfig` enables it."""
+        return bool(self.meta_info.get(DataProtoConfig.auto_padding_key, False)) or DataProtoConfig.auto_padding
+
+    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
+        """Append ``padding_size`` copies of the first (``"first"``) or last (``"last"``, the default ``""``) sample,
+        in place; used before :meth:`chunk` so that every part has the same length."""
+        padding_size = _check_int(padding_size, "padding: padding_size", 0)
+        if padding_candidate not in ("", "first", "last"):
+            raise ValueError(f"padding: padding_candidate must be 'first' or 'last' (or '' for last), found "
+                             f"{padding_candidate!r}")
+        if padding_size == 0:
+            return
+        if len(self) == 0:
+            raise BatchSizeMismatchError("padding: the batch is empty, so there is no sample to copy")
+        source = 0 if padding_candidate == "first" else len(self) - 1
+        padded = DataProto.concat([self, self._take(np.full(padding_size, source, dtype=np.int64))])
+        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> DataProto:
+        """Cut each sample of the ``split_keys`` fields into ``n_split`` equal pieces along dim 1, each piece a
+        sample of its own (sample ``i`` becomes ``i * n_split .. i * n_split + n_split - 1``); every other field is
+        repeated ``n_split`` times, copies adjacent.
+
+        A 1-D object array in ``split_keys`` holds one sequence per sample; each sequence is cut the same way.
+        """
+        n_split = _check_int(n_split, "unfold_column_chunks: n_split", 1)
+        split = set(_keys_list(split_keys) or [])
+        batch_keys = set(self.batch.keys()) if self.batch is not None else set()
+        unknown = sorted(split - batch_keys - set(self.non_tensor_batch))
+        if unknown:
+            raise DataProtoKeyError(f"unfold_column_chunks: split_keys {unknown} are neither batch nor non_tensor_batch "
+                                    f"keys")
+        n = len(self)
+        out = self._take(np.repeat(np.arange(n), n_split).astype(np.int64))
+        for key in sorted(split & batch_keys):
+            value = self.batch.get(key)
+            if value.is_nested or value.dim() < 2 or value.shape[1] % n_split:
+                raise BatchSizeMismatchError(f"unfold_column_chunks: batch field {key!r} is {_describe(value)}; "
+                                             f"expected a dense [n, L, ...] field with L divisible by {n_split}")
+            out.batch.set(key, value.reshape(n * n_split, value.shape[1] // n_split, *value.shape[2:]))
+        for key in sorted(split & set(self.non_tensor_batch)):
+            out.non_tensor_batch[key] = _split_columns(self.non_tensor_batch[key], n_split, key)
+        return out
 
     def split(self, split_size: int) -> list[DataProto]:
         """Consecutive parts of ``split_size`` samples (the last may be shorter)."""
@@ -527,7 +723,7 @@ class DataProto:
             raise ValueError("concat: expected at least one DataProto, found an empty list")
         for i, d in enumerate(data):
             if not isinstance(d, DataProto):
-                raise TypeError(f"concat: data[{i}] is {type(d).__name__}, expected DataProto")
+                raise DataProtoTypeError(f"concat: data[{i}] is {type(d).__name__}, expected DataProto")
         has_batch = [d.batch is not None for d in data]
         if any(has_batch) and not all(has_batch):
             raise DataProtoError(f"concat: data[{has_batch.index(False)}] has no batch while data[0] "
@@ -538,15 +734,13 @@ class DataProto:
             for i, d in enumerate(data[1:], start=1):
                 keys = set(d.batch.keys(include_nested=True, leaves_only=True))
                 if keys != ref_keys:
-                    raise KeyError(f"concat: data[{i}] batch keys differ from data[0]: missing "
+                    raise DataProtoKeyError(f"concat: data[{i}] batch keys differ from data[0]: missing "
                                    f"{sorted(map(str, ref_keys - keys))}, extra {sorted(map(str, keys - ref_keys))}")
             for key in data[0].batch.keys(include_nested=True, leaves_only=True):
                 first = data[0].batch.get(key)
                 for i, d in enumerate(data[1:], start=1):
                     other = d.batch.get(key)
-                    if is_jagged(first) != is_jagged(other) or first.dtype != other.dtype or (
-                            first.shape[1:] != other.shape[1:] and not is_jagged(first)) or (
-                            is_jagged(first) and first.shape[2:] != other.shape[2:]):
+                    if _signature(first) != _signature(other):
                         raise BatchSizeMismatchError(
                             f"concat: batch field {key!r} is {_describe(other)} in data[{i}] but {_describe(first)} "
                             f"in data[0]; parts must agree on layout, dtype and per-sample shape")
@@ -554,7 +748,7 @@ class DataProto:
         ref_nt = set(data[0].non_tensor_batch)
         for i, d in enumerate(data[1:], start=1):
             if set(d.non_tensor_batch) != ref_nt:
-                raise KeyError(f"concat: data[{i}] non_tensor_batch keys differ from data[0]: missing "
+                raise DataProtoKeyError(f"concat: data[{i}] non_tensor_batch keys differ from data[0]: missing "
                                f"{sorted(ref_nt - set(d.non_tensor_batch))}, extra "
                                f"{sorted(set(d.non_tensor_batch) - ref_nt)}")
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data], axis=0) for k in data[0].non_tensor_batch}
@@ -680,6 +874,8 @@ def _batch_state(batch: TensorDict | None, fast: bool = True) -> Any:
         return None
     if not list(batch.keys()):
         return (_STATE_TD, batch)
+    if _strided_keys(batch):  # tensordict cannot consolidate strided nested tensors; torch pickles them as they are
+        return (_STATE_TD, batch)
     consolidated = batch.consolidate()
     info = getattr(consolidated, "_consolidated", None)
     if fast and _rebuild_consolidated is not None and isinstance(info, dict) and info.get("metadata") is not None \
@@ -702,10 +898,18 @@ def _batch_from_state(state: Any) -> TensorDict | None:
     raise DataProtoError(f"unknown pickled batch format {state[0]!r}")
 
 
+def _signature(t: torch.Tensor) -> tuple[str, torch.dtype, tuple]:
+    """Layout, dtype and per-sample shape (``j`` = ragged dim, ``*`` = a strided nested tensor's free dims)."""
+    if is_jagged(t):
+        return "jagged", t.dtype, ("j", *(int(t.shape[d]) for d in range(2, t.dim())))
+    if t.is_nested:
+        return "strided-nested", t.dtype, ("*",) * (t.dim() - 1)
+    return "dense", t.dtype, tuple(int(d) for d in t.shape[1:])
+
+
 def _describe(t: torch.Tensor) -> str:
-    layout = "jagged" if is_jagged(t) else "dense"
-    shape = ["j" if is_jagged(t) and d == 1 else int(t.shape[d]) for d in range(1, t.dim())]
-    return f"{layout} {str(t.dtype).removeprefix('torch.')} [n, {', '.join(map(str, shape))}]".replace(", ]", "]")
+    layout, dtype, shape = _signature(t)
+    return f"{layout} {str(dtype).removeprefix('torch.')} [n, {', '.join(map(str, shape))}]".replace(", ]", "]")
 
 
 def _pick(source: dict[str, Any], keys: list[str] | None, kind: str) -> dict[str, Any]:
@@ -713,27 +917,40 @@ def _pick(source: dict[str, Any], keys: list[str] | None, kind: str) -> dict[str
         return dict(source)
     missing = [k for k in keys if k not in source]
     if missing:
-        raise KeyError(f"select: {kind} keys {missing} not found; available: {sorted(source)}")
+        raise DataProtoKeyError(f"select: {kind} keys {missing} not found; available: {sorted(source)}")
     return {k: source[k] for k in keys}
 
 
 def _merge_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Meta info of concatenated parts: equal keys once, ``metrics`` of every part merged into a dict of lists.
+
+    A part's ``metrics`` may be a dict or a list of dicts (one per worker) or ``None`` (skipped); each dict adds its
+    value to the list of each of its names (a list value is appended element by element, so dicts of lists from
+    several parts join into one flat list per name).
+    """
     merged: dict[str, Any] = {}
     metrics: dict[str, list] = {}
     any_metrics = False
     for i, meta in enumerate(metas):
         for key, value in meta.items():
             if key == "metrics":
-                if not isinstance(value, Mapping):
-                    raise TypeError(f"concat: data[{i}].meta_info['metrics'] is {type(value).__name__}; expected a "
-                                    f"dict of metric name -> value (or list of values)")
-                any_metrics = True
-                for name, v in value.items():
-                    metrics.setdefault(name, []).extend(v if isinstance(v, list) else [v])
+                if value is None:
+                    continue
+                entries = list(value) if isinstance(value, (list, tuple)) else [value]
+                for j, entry in enumerate(entries):
+                    if not isinstance(entry, Mapping):
+                        where = f"[{j}]" if isinstance(value, (list, tuple)) else ""
+                        raise DataProtoTypeError(
+                            f"concat: data[{i}].meta_info['metrics']{where} is {type(entry).__name__}; expected a "
+                            f"dict of metric name -> value (or list of values), or a list of such dicts")
+                    any_metrics = True
+                    for name, v in entry.items():
+                        metrics.setdefault(name, []).extend(v if isinstance(v, list) else [v])
             elif key in merged:
                 if not _values_equal(merged[key], value):
-                    raise MetaInfoConflictError(f"concat: meta_info[{key!r}] differs between parts: "
-                                                f"{merged[key]!r} vs {value!r} (data[{i}])")
+                    raise MetaInfoConflictError(
+                        f"Conflicting values for meta_info key {key!r} in concat: meta_info[{key!r}] differs between "
+                        f"parts: {merged[key]!r} vs {value!r} (data[{i}]); make the parts agree or pop the key first")
             else:
                 merged[key] = value
     if any_metrics:
@@ -751,7 +968,7 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     padding for training (samples tagged ``is_padding`` with a zero mask) is a different mechanism.
     """
     if not isinstance(data, DataProto):
-        raise TypeError(f"pad_dataproto_to_divisor: expected a DataProto, found {type(data).__name__}")
+        raise DataProtoTypeError(f"pad_dataproto_to_divisor: expected a DataProto, found {type(data).__name__}")
     size_divisor = _check_int(size_divisor, "pad_dataproto_to_divisor: size_divisor", 1)
     n = len(data)
     pad_size = (-n) % size_divisor
@@ -767,6 +984,77 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     if pad_size > len(data):
         raise BatchSizeMismatchError(f"unpad_dataproto: pad_size {pad_size} exceeds the batch's {len(data)} samples")
     return data if pad_size == 0 else data.slice(0, len(data) - pad_size)
+
+
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """``[n, ...]`` -> ``[new_batch_size, n // new_batch_size, ...]`` for every field: consecutive samples become
+    one group (dense tensors and numpy arrays only; ``new_batch_size`` must divide ``n``)."""
+    new_batch_size = _check_int(new_batch_size, "fold_batch_dim: new_batch_size", 1)
+    n = len(data)
+    if n % new_batch_size:
+        raise BatchSizeMismatchError(f"fold_batch_dim: {n} samples cannot fold into {new_batch_size} equal groups")
+    group = n // new_batch_size
+    batch = None
+    if data.batch is not None:
+        tensors = {}
+        for key in data.batch.keys():
+            value = data.batch.get(key)
+            if not isinstance(value, torch.Tensor) or value.is_nested:
+                raise DataProtoTypeError(f"fold_batch_dim: batch field {key!r} is not a dense tensor; only dense "
+                                         f"fields can be folded")
+            tensors[key] = value.reshape(new_batch_size, group, *value.shape[1:])
+        batch = TensorDict(tensors, batch_size=[new_batch_size], device=data.batch.device)
+    non_tensor = {k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.non_tensor_batch.items()}
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info))
+
+
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """Inverse of :func:`fold_batch_dim`: the first ``batch_dims`` dims of every field become one batch dim."""
+    batch_dims = _check_int(batch_dims, "unfold_batch_dim: batch_dims", 1)
+    lead: tuple[int, ...] | None = None
+    ref = ""
+    fields: list[tuple[str, Any]] = []
+    if data.batch is not None:
+        fields += [(f"batch field {k!r}", data.batch.get(k)) for k in data.batch.keys()]
+    fields += [(f"non_tensor_batch[{k!r}]", v) for k, v in data.non_tensor_batch.items()]
+    for name, value in fields:
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            raise DataProtoTypeError(f"unfold_batch_dim: {name} is a nested tensor; only dense fields unfold")
+        shape = tuple(int(d) for d in value.shape[:batch_dims])
+        if len(shape) < batch_dims:
+            raise BatchSizeMismatchError(f"unfold_batch_dim: {name} has {len(shape)} dims, fewer than "
+                                         f"batch_dims={batch_dims}")
+        if lead is None:
+            lead, ref = shape, name
+        elif shape != lead:
+            raise BatchSizeMismatchError(f"unfold_batch_dim: {name} starts with {shape} but {ref} with {lead}")
+    total = int(np.prod(lead)) if lead is not None else 0
+    batch = None
+    if data.batch is not None:
+        batch = TensorDict({k: data.batch.get(k).reshape(total, *data.batch.get(k).shape[batch_dims:])
+                            for k in data.batch.keys()}, batch_size=[total], device=data.batch.device)
+    non_tensor = {k: v.reshape(total, *v.shape[batch_dims:]) for k, v in data.non_tensor_batch.items()}
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info))
+
+
+def _split_columns(values: np.ndarray, n_split: int, key: str) -> np.ndarray:
+    """Each sample's entries along dim 1 (or its sequence, for a 1-D object array) cut into ``n_split`` samples."""
+    n = values.shape[0]
+    if values.ndim >= 2:
+        if values.shape[1] % n_split:
+            raise BatchSizeMismatchError(f"unfold_column_chunks: non_tensor_batch[{key!r}] has {values.shape[1]} "
+                                         f"columns, not divisible by {n_split}")
+        return values.reshape(n * n_split, values.shape[1] // n_split, *values.shape[2:])
+    out = np.empty(n * n_split, dtype=object)
+    for i, item in enumerate(values):
+        if isinstance(item, (str, bytes)) or not hasattr(item, "__len__") or len(item) % n_split:
+            found = f"length {len(item)}" if hasattr(item, "__len__") else type(item).__name__
+            raise BatchSizeMismatchError(f"unfold_column_chunks: non_tensor_batch[{key!r}][{i}] is {found}; expected "
+                                         f"a sequence whose length is divisible by {n_split}")
+        size = len(item) // n_split
+        for j in range(n_split):
+            out[i * n_split + j] = item[j * size:(j + 1) * size]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ collate
@@ -798,13 +1086,13 @@ def collate_fn(data: Sequence[DataProtoItem] | Sequence[Mapping[str, Any]]) -> D
             keys = list(items[0].batch.keys())
             for i, x in enumerate(items):
                 if x.batch is None or set(x.batch.keys()) != set(keys):
-                    raise KeyError(f"collate_fn: item {i} has batch keys "
+                    raise DataProtoKeyError(f"collate_fn: item {i} has batch keys "
                                    f"{sorted(x.batch.keys()) if x.batch is not None else None}, item 0 has {sorted(keys)}")
             tensors = {k: [x.batch.get(k) for x in items] for k in keys}
         nt_keys = list(items[0].non_tensor_batch)
         for i, x in enumerate(items):
             if set(x.non_tensor_batch) != set(nt_keys):
-                raise KeyError(f"collate_fn: item {i} has non_tensor keys {sorted(x.non_tensor_batch)}, item 0 has "
+                raise DataProtoKeyError(f"collate_fn: item {i} has non_tensor keys {sorted(x.non_tensor_batch)}, item 0 has "
                                f"{sorted(nt_keys)}")
         return DataProto.from_dict(tensors={k: _stack(v, k) for k, v in tensors.items()},
                                    non_tensors={k: [x.non_tensor_batch[k] for x in items] for k in nt_keys},
@@ -813,7 +1101,7 @@ def collate_fn(data: Sequence[DataProtoItem] | Sequence[Mapping[str, Any]]) -> D
         keys = list(items[0])
         for i, x in enumerate(items):
             if set(x) != set(keys):
-                raise KeyError(f"collate_fn: row {i} has keys {sorted(x)}, row 0 has {sorted(keys)}")
+                raise DataProtoKeyError(f"collate_fn: row {i} has keys {sorted(x)}, row 0 has {sorted(keys)}")
         out: dict[str, Any] = {}
         for k in keys:
             column = [x[k] for x in items]

@@ -6,11 +6,13 @@ Three representations of a batch of ``n`` variable-length sequences appear in th
   back (``[T, ...]``) and ``nt.offsets()`` (int64 ``[n + 1]``) marks where each sample starts. The store keeps
   per-trajectory fields in this form. Zero-length samples are allowed (equal consecutive offsets).
 * **padded** – a dense ``[n, L, ...]`` tensor plus per-sample lengths or a 0/1 attention mask; responses are right
-  padded, prompts may be left padded.
+  padded, prompts may be left padded (:func:`jagged_to_padded` / :func:`padded_to_jagged`).
 * **packed** – :class:`PackedBatch`: the jagged values with ``cu_seqlens`` (int32 ``[n + 1]``), ``position_ids``
   restarting at 0 in every sequence and ``max_seqlen``; what a remove-padding (varlen) forward consumes.
 
 Every conversion here is lossless in both directions and keeps autograd (values move by ``cat`` / indexing).
+:func:`response_from_nested` and :func:`response_to_nested` carry the reference system's names *and* meaning (a nested
+response mask gives the lengths; the former slices the response out of a full-sequence model output, shifted by one).
 
 Example::
 
@@ -18,11 +20,12 @@ Example::
     >>> nt = to_nested([torch.tensor([1, 2, 3]), torch.tensor([], dtype=torch.int64), torch.tensor([4])])
     >>> nested_lengths(nt).tolist()
     [3, 0, 1]
-    >>> response_from_nested(nt, pad_value=-1).tolist()
+    >>> jagged_to_padded(nt, pad_value=-1).tolist()
     [[1, 2, 3], [-1, -1, -1], [4, -1, -1]]
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -31,12 +34,17 @@ from torch import Tensor
 
 __all__ = [
     "NestedShapeError",
+    "NestedLayoutError",
     "is_jagged",
+    "is_strided_nested",
+    "strided_nested",
     "to_nested",
     "nested_from_values",
     "nested_lengths",
     "nested_offsets",
     "nested_values",
+    "padded_to_jagged",
+    "jagged_to_padded",
     "response_to_nested",
     "response_from_nested",
     "PackedBatch",
@@ -49,8 +57,15 @@ __all__ = [
 ]
 
 
-class NestedShapeError(ValueError):
-    """A tensor whose lengths, offsets, mask or shape do not describe a valid batch of sequences."""
+class NestedShapeError(ValueError, AssertionError):
+    """A tensor whose lengths, offsets, mask or shape do not describe a valid batch of sequences.
+
+    Also an ``AssertionError``: the reference system asserts these conditions, so its ``except`` clauses still match.
+    """
+
+
+class NestedLayoutError(TypeError, AssertionError):
+    """A tensor that is not in the layout a function needs (a jagged nested tensor where one is required)."""
 
 
 def is_jagged(t: object) -> bool:
@@ -58,10 +73,31 @@ def is_jagged(t: object) -> bool:
     return isinstance(t, Tensor) and t.is_nested and t.layout == torch.jagged
 
 
+def is_strided_nested(t: object) -> bool:
+    """True for a ``torch.nested`` tensor with the strided layout (samples may be ragged in several dimensions)."""
+    return isinstance(t, Tensor) and t.is_nested and t.layout == torch.strided
+
+
+def strided_nested(components: Sequence[Tensor], *, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> Tensor:
+    """Strided nested tensor from per-sample tensors of one rank (any of their dims may differ); ``[]`` gives ``n = 0``.
+
+    The strided layout is what the reference system builds with ``torch.nested.as_nested_tensor(list)``; torch's
+    prototype-stage warning for it is silenced here, since choosing the layout is deliberate.
+    """
+    components = list(components)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if not components:
+            return torch.nested.as_nested_tensor([], dtype=dtype or torch.float32, device=device,
+                                                 layout=torch.strided)
+        return torch.nested.as_nested_tensor(components, dtype=dtype, device=device, layout=torch.strided)
+
+
 def _check_jagged(nt: Tensor, name: str = "nt") -> None:
     if not is_jagged(nt):
         found = f"{type(nt).__name__}" if not isinstance(nt, Tensor) else f"tensor with layout {nt.layout}"
-        raise TypeError(f"{name}: expected a jagged nested tensor (layout=torch.jagged), found {found}")
+        raise NestedLayoutError(f"{name}: expected a jagged nested tensor (layout=torch.jagged), found {found}")
     if nt._ragged_idx != 1:
         raise NestedShapeError(f"{name}: expected the ragged dimension at dim 1, found it at dim {nt._ragged_idx}")
 
@@ -190,10 +226,10 @@ def nested_lengths(nt: Tensor) -> Tensor:
     return nt.offsets().diff().to(torch.int64)
 
 
-def response_to_nested(padded: Tensor, lengths: Tensor) -> Tensor:
+def padded_to_jagged(padded: Tensor, lengths: Tensor) -> Tensor:
     """Jagged tensor keeping the first ``lengths[i]`` entries of row ``i`` of right-padded ``padded`` ``[n, L, ...]``.
 
-    >>> response_to_nested(torch.tensor([[1, 2, 0], [3, 0, 0]]), torch.tensor([2, 1])).values().tolist()
+    >>> padded_to_jagged(torch.tensor([[1, 2, 0], [3, 0, 0]]), torch.tensor([2, 1])).values().tolist()
     [1, 2, 3]
     """
     if not isinstance(padded, Tensor) or padded.is_nested:
@@ -212,10 +248,10 @@ def response_to_nested(padded: Tensor, lengths: Tensor) -> Tensor:
     return nested_from_values(padded[keep], _offsets_from_lengths(lengths))
 
 
-def response_from_nested(nt: Tensor, pad_value: float | int | bool = 0, max_len: int | None = None) -> Tensor:
+def jagged_to_padded(nt: Tensor, pad_value: float | int | bool = 0, max_len: int | None = None) -> Tensor:
     """Right-padded dense ``[n, L, ...]`` from a jagged tensor; ``L = max_len`` or the longest sample.
 
-    >>> response_from_nested(to_nested([torch.ones(1), torch.ones(2)]), max_len=3).tolist()
+    >>> jagged_to_padded(to_nested([torch.ones(1), torch.ones(2)]), max_len=3).tolist()
     [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
     """
     _check_jagged(nt)
@@ -238,6 +274,50 @@ def response_from_nested(nt: Tensor, pad_value: float | int | bool = 0, max_len:
     cols = torch.arange(values.shape[0], device=values.device) - torch.repeat_interleave(nt.offsets()[:-1], lengths)
     out = values.new_full((n, width, *values.shape[1:]), pad_value)
     return out.index_put((rows, cols), values)
+
+
+def _mask_lengths(response_mask: Tensor) -> Tensor:
+    if not is_jagged(response_mask):
+        found = type(response_mask).__name__ if not isinstance(response_mask, Tensor) else \
+            f"a tensor with layout {response_mask.layout}{' (dense)' if not response_mask.is_nested else ''}"
+        raise NestedLayoutError(f"response_mask: expected a jagged nested tensor [n, response_len_i] whose lengths are "
+                                f"the response lengths, found {found}; for per-sample lengths use padded_to_jagged / "
+                                f"response_values_from_packed")
+    return nested_lengths(response_mask)
+
+
+def response_to_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
+    """Jagged ``[n, response_len_i, ...]`` from a right-padded response tensor ``[n, L, ...]`` and a jagged mask.
+
+    Row ``i`` keeps its first ``len(response_mask[i])`` entries (the reference system's name and signature); a row
+    shorter than its response length is an error, never a silent truncation.
+
+    >>> mask = to_nested([torch.ones(2, dtype=torch.int64), torch.ones(1, dtype=torch.int64)])
+    >>> response_to_nested(torch.tensor([[1, 2, 0], [3, 0, 0]]), mask).values().tolist()
+    [1, 2, 3]
+    """
+    return padded_to_jagged(tensor, _mask_lengths(response_mask))
+
+
+def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
+    """The response part of a full-sequence (prompt ⧺ response) model output, shifted by one position.
+
+    ``tensor`` is jagged ``[n, seq_len_i, ...]`` with ``tensor[i][t]`` computed from the logits at position ``t``
+    (which predict token ``t + 1``); ``response_mask`` is jagged ``[n, response_len_i]``. With ``L = seq_len_i`` and
+    ``R = response_len_i`` the result's row ``i`` is ``tensor[i][L - R - 1 : L - 1]`` (the reference system's name,
+    signature and meaning). ``L - R >= 1`` (a non-empty prompt) is required, else an error naming the sample.
+
+    >>> out = to_nested([torch.tensor([10, 11, 12, 13])])  # prompt of 2, response of 2
+    >>> response_from_nested(out, to_nested([torch.ones(2)])).values().tolist()
+    [11, 12]
+    """
+    _check_jagged(tensor, "tensor")
+    tensor = _contiguous(tensor)
+    lengths = _mask_lengths(response_mask).to(tensor.device)
+    n = tensor.size(0)
+    if lengths.numel() != n:
+        raise NestedShapeError(f"response_mask: has {lengths.numel()} samples but tensor has {n}")
+    return response_values_from_packed(tensor.values(), tensor.offsets(), lengths)
 
 
 @dataclass(frozen=True)
@@ -350,7 +430,7 @@ def packed_to_padded(values: Tensor, cu_seqlens: Tensor, side: Literal["left", "
     if side not in ("left", "right"):
         raise ValueError(f"side: expected 'left' or 'right', found {side!r}")
     nt = unpack_to_nested(values, cu_seqlens)
-    padded = response_from_nested(nt, pad_value=pad_value, max_len=max_len)
+    padded = jagged_to_padded(nt, pad_value=pad_value, max_len=max_len)
     lengths = nested_lengths(nt)
     width = padded.shape[1]
     cols = torch.arange(width, device=values.device).unsqueeze(0)

@@ -13,7 +13,7 @@ from protocol.invariants import (BatchView, InvariantViolation, Violation, as_ba
                                  check_invariants, check_reorder)
 from protocol.store.keys import new_uid, trajectory_key, trajectory_tag
 from protocol.store.meta import KVBatchMeta
-from protocol.batch.nested import response_from_nested, to_nested
+from protocol.batch.nested import jagged_to_padded, to_nested
 
 
 def make_batch(seed: int, n_groups: int = 2, n_sessions: int = 2, n_padding: int = 1):
@@ -189,7 +189,7 @@ def test_dataproto_adapter_padded_fields_and_uid_column():
     td, keys, tags = make_batch(1, 2, 2, 1)
     uids = [k.split("_")[0] for k in keys]
     width = max(t["response_len"] for t in tags) + 2
-    tensors = {name: (response_from_nested(td[name], max_len=width)
+    tensors = {name: (jagged_to_padded(td[name], max_len=width)
                       if name in ("responses", "response_mask", "advantages", "rm_scores") else td[name])
                for name in td.keys()}
     dp = DataProto.from_dict(tensors=tensors, non_tensors={"uid": uids, "key": keys, "tags": tags})

@@ -9,7 +9,7 @@ from protocol.rollout.agent_loop.output import AgentLoopOutput
 from protocol.invariants import check_invariants
 from protocol.store.keys import new_uid, trajectory_key, trajectory_tag
 from protocol.algos.kl import FixedKLController, apply_kl_penalty
-from protocol.batch.nested import nested_lengths, response_from_nested, response_to_nested, to_nested
+from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged, to_nested
 from protocol.rollout.postprocess import postprocess_group
 from protocol.algos.reward import RewardInput, compute_rm_scores, make_reward_manager
 from protocol.rollout.tokenizer import CharTokenizer
@@ -71,18 +71,18 @@ def test_lineage_keeps_every_invariant():
 
     # algorithm stage on padded tensors, then back to jagged
     lengths = nested_lengths(td["response_mask"])
-    mask = response_from_nested(td["response_mask"])
-    old = response_from_nested(td["rollout_log_probs"])
+    mask = jagged_to_padded(td["response_mask"])
+    old = jagged_to_padded(td["rollout_log_probs"])
     ref = old - 0.1 * mask
-    rewards, metrics = apply_kl_penalty(response_from_nested(rm), old, ref, mask, FixedKLController(0.1), "kl",
+    rewards, metrics = apply_kl_penalty(jagged_to_padded(rm), old, ref, mask, FixedKLController(0.1), "kl",
                                         is_padding=is_padding)
     assert metrics["kl_penalty"] > 0
     adv, ret = compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask, is_padding=is_padding,
                                  **session_inputs_from_keys(keys))
-    td["token_level_scores"] = response_to_nested(response_from_nested(rm), lengths)
-    td["token_level_rewards"] = response_to_nested(rewards, lengths)
-    td["advantages"] = response_to_nested(adv, lengths)
-    td["returns"] = response_to_nested(ret, lengths)
+    td["token_level_scores"] = padded_to_jagged(jagged_to_padded(rm), lengths)
+    td["token_level_rewards"] = padded_to_jagged(rewards, lengths)
+    td["advantages"] = padded_to_jagged(adv, lengths)
+    td["returns"] = padded_to_jagged(ret, lengths)
     td["old_log_probs"] = td["rollout_log_probs"]
     assert check_invariants(td, keys=keys, tags=tags) == []
 

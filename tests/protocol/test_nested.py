@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from protocol.batch.nested import (
+    NestedLayoutError,
     NestedShapeError,
     PackedBatch,
     is_jagged,
@@ -18,6 +19,8 @@ from protocol.batch.nested import (
     pack_nested,
     packed_to_padded,
     padded_to_packed,
+    jagged_to_padded,
+    padded_to_jagged,
     response_from_nested,
     response_to_nested,
     response_values_from_packed,
@@ -58,12 +61,12 @@ def test_to_nested_keeps_every_sample(lengths, trailing, dtype):
 def test_to_nested_zero_length_and_single_and_empty_batch():
     nt = to_nested([torch.zeros(0, dtype=torch.int64)])
     assert nt.shape[0] == 1 and nested_lengths(nt).tolist() == [0]
-    assert response_from_nested(nt).shape == (1, 0)
+    assert jagged_to_padded(nt).shape == (1, 0)
     one = to_nested([torch.arange(4)])
     assert nested_values(one).tolist() == [0, 1, 2, 3]
     empty = to_nested([], dtype=torch.int64)
     assert empty.shape[0] == 0 and empty.dtype == torch.int64 and nested_lengths(empty).tolist() == []
-    assert response_from_nested(empty).shape == (0, 0)
+    assert jagged_to_padded(empty).shape == (0, 0)
     # A dense [n, L] tensor is taken as n samples of length L.
     assert nested_lengths(to_nested(torch.ones(3, 2))).tolist() == [2, 2, 2]
 
@@ -72,7 +75,7 @@ def test_to_nested_dtype_device_and_autograd():
     a = torch.randn(3, requires_grad=True)
     b = torch.randn(2, requires_grad=True)
     nt = to_nested([a, b])
-    (response_from_nested(nt) * torch.arange(3.0)).sum().backward()
+    (jagged_to_padded(nt) * torch.arange(3.0)).sum().backward()
     assert a.grad.tolist() == [0.0, 1.0, 2.0] and b.grad.tolist() == [0.0, 1.0]
     assert to_nested([torch.ones(2)], dtype=torch.float64).dtype == torch.float64
 
@@ -107,7 +110,7 @@ def test_nested_from_values_refusals():
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_jagged_only_functions_refuse_dense():
-    for fn in (nested_lengths, nested_offsets, nested_values, pack_nested, response_from_nested):
+    for fn in (nested_lengths, nested_offsets, nested_values, pack_nested, jagged_to_padded):
         with pytest.raises(TypeError, match="jagged"):
             fn(torch.ones(2, 3))
     strided = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
@@ -121,7 +124,7 @@ def test_non_contiguous_jagged_is_compacted():
     holed = torch.nested.narrow(dense, 1, torch.tensor([1, 0]), torch.tensor([2, 3]), layout=torch.jagged)
     assert nested_lengths(holed).tolist() == [2, 3]
     assert nested_values(holed).tolist() == [1, 2, 5, 6, 7]
-    assert response_from_nested(holed).tolist() == [[1, 2, 0], [5, 6, 7]]
+    assert jagged_to_padded(holed).tolist() == [[1, 2, 0], [5, 6, 7]]
     assert pack_nested(holed).values.tolist() == [1, 2, 5, 6, 7]
 
 
@@ -140,22 +143,22 @@ def test_response_padded_round_trip(lengths, trailing, extra, pad):
     samples = _samples(lengths, trailing)
     nt = to_nested(samples)
     width = max(lengths) + extra
-    padded = response_from_nested(nt, pad_value=pad, max_len=width)
+    padded = jagged_to_padded(nt, pad_value=pad, max_len=width)
     assert padded.shape == (len(lengths), width, *trailing)
     for i, (row, n) in enumerate(zip(padded, lengths)):
         assert torch.equal(row[:n], samples[i])
         assert bool((row[n:] == pad).all())
-    back = response_to_nested(padded, torch.tensor(lengths))
+    back = padded_to_jagged(padded, torch.tensor(lengths))
     assert nested_lengths(back).tolist() == lengths
     assert torch.equal(nested_values(back), nested_values(nt))
 
 
 @SETTINGS
 @given(lengths=lengths_st, width_extra=st.integers(0, 3))
-def test_response_to_nested_matches_loop(lengths, width_extra):
+def test_padded_to_jagged_matches_loop(lengths, width_extra):
     width = max(lengths) + width_extra
     padded = torch.arange(len(lengths) * width).view(len(lengths), width)
-    nt = response_to_nested(padded, torch.tensor(lengths))
+    nt = padded_to_jagged(padded, torch.tensor(lengths))
     for i, comp in enumerate(nt.unbind()):
         assert comp.tolist() == padded[i, : lengths[i]].tolist()
 
@@ -163,22 +166,22 @@ def test_response_to_nested_matches_loop(lengths, width_extra):
 def test_response_conversion_refusals():
     padded = torch.zeros(3, 4)
     with pytest.raises(NestedShapeError, match=r"lengths\[1\] = 5 exceeds.*L = 4.*sample 1"):
-        response_to_nested(padded, torch.tensor([1, 5, 2]))
+        padded_to_jagged(padded, torch.tensor([1, 5, 2]))
     with pytest.raises(NestedShapeError, match=r"lengths\[2\] = -1 is negative"):
-        response_to_nested(padded, torch.tensor([1, 2, -1]))
+        padded_to_jagged(padded, torch.tensor([1, 2, -1]))
     with pytest.raises(NestedShapeError, match="expected 3 entries"):
-        response_to_nested(padded, torch.tensor([1, 2]))
+        padded_to_jagged(padded, torch.tensor([1, 2]))
     with pytest.raises(TypeError, match="integer"):
-        response_to_nested(padded, torch.tensor([1.0, 2.0, 3.0]))
+        padded_to_jagged(padded, torch.tensor([1.0, 2.0, 3.0]))
     with pytest.raises(NestedShapeError, match=r"\[n, L"):
-        response_to_nested(torch.zeros(3), torch.tensor([1, 1, 1]))
+        padded_to_jagged(torch.zeros(3), torch.tensor([1, 1, 1]))
     with pytest.raises(TypeError, match="dense"):
-        response_to_nested(to_nested([torch.ones(2)]), torch.tensor([1]))
+        padded_to_jagged(to_nested([torch.ones(2)]), torch.tensor([1]))
     nt = to_nested([torch.ones(2), torch.ones(5)])
     with pytest.raises(NestedShapeError, match=r"max_len = 3 .*sample 1 has length 5"):
-        response_from_nested(nt, max_len=3)
+        jagged_to_padded(nt, max_len=3)
     with pytest.raises(TypeError, match="max_len"):
-        response_from_nested(nt, max_len=5.0)
+        jagged_to_padded(nt, max_len=5.0)
 
 
 # -------------------------------------------------------------------------------------------- packed forms
@@ -310,6 +313,53 @@ def test_response_values_from_packed_refusals():
         response_values_from_packed(torch.zeros(5), torch.tensor([0, 4, 3, 5]), torch.tensor([1, 0, 1]))
     with pytest.raises(TypeError, match="jagged"):
         response_values_to_packed(torch.zeros(2, 2), cu)
+
+
+# ------------------------------------------------------------- the reference system's response_{from,to}_nested
+
+
+@SETTINGS
+@given(pr=_seq_and_response(), trailing=st.sampled_from([(), (3,)]))
+def test_response_from_nested_is_the_shifted_response_slice(pr, trailing):
+    """Row i is full[i][L - R - 1 : L - 1]: the outputs at the positions that predict the response tokens."""
+    prompts, responses = pr
+    full = to_nested([torch.randn(p + r, *trailing) for p, r in zip(prompts, responses)])
+    mask = to_nested([torch.ones(r, dtype=torch.int64) for r in responses])
+    got = response_from_nested(full, mask)
+    assert is_jagged(got) and nested_lengths(got).tolist() == responses
+    for comp, row, p, r in zip(got.unbind(), full.unbind(), prompts, responses):
+        assert torch.equal(comp, row[p - 1:p + r - 1])
+
+
+@SETTINGS
+@given(lengths=lengths_st, extra=st.integers(0, 3), trailing=trailing_st)
+def test_response_to_nested_takes_lengths_from_the_mask(lengths, extra, trailing):
+    width = max(lengths) + extra
+    padded = torch.randn(len(lengths), width, *trailing)
+    mask = to_nested([torch.ones(k, dtype=torch.bool) for k in lengths])
+    got = response_to_nested(padded, mask)
+    assert nested_lengths(got).tolist() == lengths
+    for i, comp in enumerate(got.unbind()):
+        assert torch.equal(comp, padded[i, :lengths[i]])
+    assert torch.equal(nested_values(got), nested_values(padded_to_jagged(padded, torch.tensor(lengths))))
+
+
+def test_verl_named_helpers_refusals():
+    full = to_nested([torch.arange(3.0), torch.arange(2.0)])
+    with pytest.raises(NestedShapeError, match=r"sample 1: seq_len = 2, response_len = 2.*prompt_len = 0"):
+        response_from_nested(full, to_nested([torch.ones(1), torch.ones(2)]))
+    with pytest.raises(NestedShapeError, match="has 1 samples but tensor has 2"):
+        response_from_nested(full, to_nested([torch.ones(1)]))
+    # A dense mask or per-sample lengths are the other helpers' inputs; the message says which to use.
+    for bad in (torch.ones(2, 2), torch.tensor([1, 1])):
+        with pytest.raises(NestedLayoutError, match="padded_to_jagged"):
+            response_to_nested(torch.zeros(2, 2), bad)
+        with pytest.raises(AssertionError):  # the reference system asserts ``response_mask.is_nested``
+            response_from_nested(full, bad)
+    with pytest.raises(NestedShapeError, match="exceeds the padded width"):
+        response_to_nested(torch.zeros(1, 2), to_nested([torch.ones(3)]))
+    with pytest.raises(TypeError, match="tensor: expected a jagged"):
+        response_from_nested(torch.zeros(2, 3), to_nested([torch.ones(1), torch.ones(1)]))
 
 
 def test_docstring_examples_run():
