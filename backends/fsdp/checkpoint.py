@@ -10,7 +10,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-__all__ = ["save", "load", "full_weights", "load_full_weights", "CheckpointError"]
+from backends.checkpoint_dir import prepare_checkpoint_dir
+
+__all__ = ["save", "load", "full_weights", "load_full_weights", "load_hf_shards", "local_rows", "CheckpointError"]
 
 ENGINE_STATE = "engine_state.pt"
 
@@ -86,3 +88,60 @@ def load_full_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
                                   f"{tuple(p.shape)}")
     set_model_state_dict(model, {n: t for n, t in state_dict.items()},
                          options=StateDictOptions(full_state_dict=True))
+
+
+def local_rows(param) -> tuple[int, int]:
+    """The global row range ``[start, stop)`` along dim 0 that this rank holds of ``param``.
+
+    FSDP2 shards dim 0 like ``torch.chunk`` over each ``Shard(0)`` mesh axis (chunks of ``ceil(rows / n)``, the
+    last ones shorter or empty); ``Replicate`` axes (HSDP) hold every row. A plain tensor holds all its rows.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(param, DTensor):
+        return 0, int(param.shape[0])
+    coord = param.device_mesh.get_coordinate()
+    start, length = 0, int(param.shape[0])
+    for axis, placement in enumerate(param.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, Shard) or placement.dim != 0:
+            raise CheckpointError(f"parameter placement {placement} is not supported (FSDP shards dim 0 only)")
+        n = param.device_mesh.size(axis)
+        chunk = -(-length // n)
+        lo = min(coord[axis] * chunk, length)
+        hi = min(lo + chunk, length)
+        start, length = start + lo, hi - lo
+    return start, start + length
+
+
+@torch.no_grad()
+def load_hf_shards(model, path: str) -> int:
+    """Fill ``model`` (fully sharded, materialised with ``to_empty``) from the Hugging Face checkpoint ``path``.
+
+    Each rank reads only its own rows of each parameter from the safetensors files (one file or a sharded
+    ``model.safetensors.index.json``), so no rank ever holds the full model. Names, shapes and missing or unexpected
+    weights are checked against the config from the file headers before any data is read. Returns the number of
+    bytes this rank read.
+    """
+    from backends.model.hf import convert_hf_state_dict, to_hf_state_dict
+    from backends.model.hf_files import SafetensorsFolder
+
+    cfg = model.cfg
+    folder = SafetensorsFolder(path)
+    headers = {n: torch.empty(folder.shape(n), device="meta") for n in folder.names()}
+    convert_hf_state_dict(headers, cfg)  # missing / unexpected / misshapen weights, named, before reading data
+    params = dict(model.named_parameters())
+    hf_names = {project: hf for hf, project in to_hf_state_dict({n: n for n in params}, cfg).items()}
+    read = 0
+    for name, p in params.items():
+        start, stop = local_rows(p)
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.shape[0] != stop - start:
+            raise CheckpointError(f"{name}: this rank holds {local.shape[0]} rows, the shard layout implies rows "
+                                  f"[{start}, {stop})")
+        if stop > start:
+            rows = folder.read_rows(hf_names[name], start, stop)
+            local.copy_(rows.to(local.dtype))
+            read += rows.numel() * rows.element_size()
+    return read

@@ -8,11 +8,25 @@ from typing import Any, Mapping
 
 import torch
 
-from backends.model.config import ModelConfig
-from backends.model.llama import LlamaModel
+from backends.model.config import MODEL_TYPES, ModelConfig
+from backends.model.llama import LlamaModel, parameter_shapes
 
-__all__ = ["HFCheckpointError", "config_from_hf", "read_hf_config", "convert_hf_state_dict", "load_hf_checkpoint",
-           "initial_model"]
+__all__ = ["HFCheckpointError", "config_from_hf", "hf_config_dict", "read_hf_config", "convert_hf_state_dict",
+           "to_hf_state_dict", "load_hf_checkpoint", "initial_model", "check_hf_config", "HF_ARCHITECTURES"]
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
+# what transformers' config classes default to when config.json leaves a key out
+_FAMILY_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768},
+}
+_DEFAULT_THETA = 10000.0
+_ROPE_KEYS = {"default": set(), "linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor"}}
+_ROPE_OPTIONAL = {"llama3": {"original_max_position_embeddings"}}
+_ROPE_COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 
 class HFCheckpointError(ValueError):
@@ -117,6 +131,12 @@ def initial_model(cfg: ModelConfig, seed: int) -> LlamaModel:
     """
     if not cfg.hf_path:
         return LlamaModel.from_seed(cfg, seed)
+    check_hf_config(cfg)
+    return load_hf_checkpoint(cfg.hf_path)
+
+
+def check_hf_config(cfg: ModelConfig) -> None:
+    """Refuse a ``cfg`` whose fields disagree with its ``model.hf_path`` config.json, naming the fields."""
     found = read_hf_config(cfg.hf_path)
     diff = [f"{f.name}: config {getattr(cfg, f.name)!r} vs checkpoint {getattr(found, f.name)!r}"
             for f in dataclasses.fields(ModelConfig) if f.name not in ("hf_path", "init_std")

@@ -41,12 +41,13 @@ def make_chatml_tokenizer(out: str | Path | None = None, vocab_size: int = 320):
 
 def make_checkpoint(out: str | Path, arch: str = "qwen2", vocab_size: int = 320, tie: bool = False, seed: int = 0,
                     scale: float = 4.0, num_layers: int = 2, tokenizer: bool = True,
-                    generation_eos: tuple[int, ...] | None = None) -> Path:
+                    generation_eos: tuple[int, ...] | None = None, max_shard_size: str | None = None) -> Path:
     """A random tiny ``arch`` (``qwen2`` or ``llama``) checkpoint written by transformers into ``out``.
 
     Every matrix is ``normal(0, scale / sqrt(fan_in))`` (biases too, for Qwen2), norms ``1 + 0.1 * noise``. With
     ``tokenizer`` the ChatML tokenizer is saved alongside; ``generation_eos`` writes generation_config.json's
     ``eos_token_id`` (default: ``<|im_end|>`` and ``<|endoftext|>``, as instruction-tuned Qwen checkpoints do).
+    ``max_shard_size`` (e.g. ``"20KB"``) splits the weights into several files listed by model.safetensors.index.json.
     """
     import torch
     import transformers
@@ -75,7 +76,8 @@ def make_checkpoint(out: str | Path, arch: str = "qwen2", vocab_size: int = 320,
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
-    model.save_pretrained(str(out), safe_serialization=True)
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **extra)
     if tokenizer:
         hf = make_chatml_tokenizer(out, vocab_size=vocab_size)
         if len(hf) > vocab_size:
