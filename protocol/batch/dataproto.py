@@ -402,7 +402,8 @@ class DataProto:
         """Refuse a batch whose TensorDict is not 1-D or whose non-tensor arrays have another length."""
         if self.batch is not None:
             if not isinstance(self.batch, TensorDict):
-                raise DataProtoTypeError(f"batch: expected a tensordict.TensorDict or None, found {type(self.batch).__name__}")
+                raise DataProtoTypeError(f"batch: expected a tensordict.TensorDict or None, found "
+                                         f"{type(self.batch).__name__}")
             if self.batch.batch_dims != 1:
                 raise BatchSizeMismatchError(f"batch: expected exactly one batch dimension, found batch_size "
                                              f"{tuple(self.batch.batch_size)}")
@@ -410,7 +411,8 @@ class DataProto:
         ref = "batch"
         for key, value in self.non_tensor_batch.items():
             if not isinstance(value, np.ndarray):
-                raise DataProtoTypeError(f"non_tensor_batch[{key!r}]: expected a numpy array, found {type(value).__name__}")
+                raise DataProtoTypeError(f"non_tensor_batch[{key!r}]: expected a numpy array, found "
+                                         f"{type(value).__name__}")
             if n is None:
                 n, ref = value.shape[0], f"non_tensor_batch[{next(iter(self.non_tensor_batch))!r}]"
             elif value.shape[0] != n:
@@ -469,7 +471,7 @@ class DataProto:
                    meta_info=meta)
 
     @classmethod
-    def from_tensordict(cls, tensor_dict: TensorDict, meta_info: dict | None = None,
+    def from_tensordict(cls, tensor_dict: TensorDict | None = None, meta_info: dict | None = None,
                         num_batch_dims: int = 1) -> DataProto:
         """Build from a TensorDict: tensors stay in ``batch``, ``NonTensorStack`` fields become per-sample arrays,
         ``NonTensorData`` (one value for the batch) goes to ``meta_info``."""
@@ -546,7 +548,7 @@ class DataProto:
             yield self[i]
 
     def _take(self, idx: np.ndarray, meta_info: dict | None = None) -> DataProto:
-        idx = np.ascontiguousarray(idx, dtype=np.int64)
+        idx = np.array(idx, dtype=np.int64)  # a copy: a reversed slice can leave a negative stride behind
         batch = _index_batch(self.batch, idx) if self.batch is not None else None
         return type(self)(batch=batch, non_tensor_batch={k: v[idx] for k, v in self.non_tensor_batch.items()},
                           meta_info=dict(self.meta_info) if meta_info is None else meta_info)
@@ -573,12 +575,14 @@ class DataProto:
         if batch_keys is not None:
             if self.batch is None:
                 if batch_keys:
-                    raise DataProtoKeyError(f"select: batch keys {batch_keys} requested but this DataProto has no batch")
+                    raise DataProtoKeyError(f"select: batch keys {batch_keys} requested but this DataProto has "
+                                            f"no batch")
                 batch = None
             else:
                 missing = [k for k in batch_keys if k not in self.batch.keys()]
                 if missing:
-                    raise DataProtoKeyError(f"select: batch keys {missing} not found; available: {sorted(self.batch.keys())}")
+                    raise DataProtoKeyError(f"select: batch keys {missing} not found; available: "
+                                            f"{sorted(self.batch.keys())}")
                 batch = self.batch.select(*batch_keys)
         else:
             batch = self.batch
@@ -696,8 +700,8 @@ class DataProto:
         batch_keys = set(self.batch.keys()) if self.batch is not None else set()
         unknown = sorted(split - batch_keys - set(self.non_tensor_batch))
         if unknown:
-            raise DataProtoKeyError(f"unfold_column_chunks: split_keys {unknown} are neither batch nor non_tensor_batch "
-                                    f"keys")
+            raise DataProtoKeyError(f"unfold_column_chunks: split_keys {unknown} are neither batch nor "
+                                    f"non_tensor_batch keys")
         n = len(self)
         out = self._take(np.repeat(np.arange(n), n_split).astype(np.int64))
         for key in sorted(split & batch_keys):
@@ -1071,13 +1075,13 @@ def _stack(values: list[torch.Tensor], key: str) -> torch.Tensor:
     return to_nested(values)
 
 
-def collate_fn(data: Sequence[DataProtoItem] | Sequence[Mapping[str, Any]]) -> DataProto | dict[str, Any]:
+def collate_fn(x: Sequence[DataProtoItem] | Sequence[Mapping[str, Any]]) -> DataProto | dict[str, Any]:
     """Batch samples: tensors stack along a new dim 0 (variable-length ones become jagged), the rest object arrays.
 
     A list of :class:`DataProtoItem` gives a :class:`DataProto` (meta_info of the first item); a list of dicts
     (dataset rows) gives a dict of stacked tensors and numpy object arrays.
     """
-    items = list(data)
+    items = list(x)
     if not items:
         raise ValueError("collate_fn: expected at least one sample, found none")
     if all(isinstance(x, DataProtoItem) for x in items):
@@ -1092,7 +1096,8 @@ def collate_fn(data: Sequence[DataProtoItem] | Sequence[Mapping[str, Any]]) -> D
         nt_keys = list(items[0].non_tensor_batch)
         for i, x in enumerate(items):
             if set(x.non_tensor_batch) != set(nt_keys):
-                raise DataProtoKeyError(f"collate_fn: item {i} has non_tensor keys {sorted(x.non_tensor_batch)}, item 0 has "
+                raise DataProtoKeyError(f"collate_fn: item {i} has non_tensor keys {sorted(x.non_tensor_batch)}, "
+                                        f"item 0 has "
                                f"{sorted(nt_keys)}")
         return DataProto.from_dict(tensors={k: _stack(v, k) for k, v in tensors.items()},
                                    non_tensors={k: [x.non_tensor_batch[k] for x in items] for k in nt_keys},

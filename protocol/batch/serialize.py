@@ -97,8 +97,9 @@ def deserialize_single_tensor(arr: Any) -> torch.Tensor:
     The bytes may be a numpy ``uint8`` array, ``bytes``, ``bytearray`` or ``memoryview``; the byte count must match.
     """
     if not isinstance(arr, (tuple, list)) or len(arr) != 3:
+        length = f" of length {len(arr)}" if isinstance(arr, (tuple, list)) else ""
         raise SerializationError(f"deserialize_single_tensor: expected (dtype, shape, bytes), found "
-                                 f"{type(arr).__name__}{f' of length {len(arr)}' if isinstance(arr, (tuple, list)) else ''}")
+                                 f"{type(arr).__name__}{length}")
     dtype_name, shape, data = arr
     return _from_bytes(data, _dtype_from(dtype_name), tuple(int(d) for d in shape), f"tensor of {dtype_name!r}")
 

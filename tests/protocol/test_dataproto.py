@@ -13,23 +13,32 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from protocol.batch.dataproto import (
     BatchSizeMismatchError,
     DataProto,
+    DataProtoConfig,
     DataProtoError,
     DataProtoItem,
+    DataProtoKeyError,
+    DataProtoTypeError,
     MetaInfoConflictError,
     UnionConflictError,
+    auto_padding,
     collate_fn,
+    deserialize_single_tensor,
     deserialize_tensordict,
+    fold_batch_dim,
+    list_of_dict_to_dict_of_list,
     pad_dataproto_to_divisor,
+    serialize_single_tensor,
     serialize_tensordict,
     _batch_from_state,
     _batch_state,
     to_object_array,
+    unfold_batch_dim,
     union_meta_info,
     union_numpy_dict,
     union_tensor_dict,
     unpad_dataproto,
 )
-from protocol.batch.nested import nested_lengths, nested_values, to_nested
+from protocol.batch.nested import is_strided_nested, nested_lengths, nested_values, strided_nested, to_nested
 
 SETTINGS = settings(max_examples=15, deadline=None)
 
@@ -621,3 +630,382 @@ def test_cuda_batch_round_trips():
     assert back.batch["responses"].device.type == "cuda"
     assert_same(back.to("cpu"), data.to("cpu"))
     assert_same(DataProto.concat(data.chunk(2)).to("cpu"), data.to("cpu"))
+
+
+# ------------------------------------------------------------------------------ the reference system's semantics
+# Written from the reference DataProto's documented behaviour: what its own CPU tests exercise must hold here too.
+
+
+def test_refusals_are_assertion_errors_as_in_the_reference():
+    """Code written against the reference catches AssertionError; every refusal it asserts is one here too."""
+    obs = torch.randn(4, 2)
+    with pytest.raises(AssertionError):
+        union_tensor_dict(TensorDict({"obs": obs}, [4]), TensorDict({"obs": obs + 1}, [4]))
+    with pytest.raises(AssertionError):
+        union_numpy_dict({"a": np.arange(3)}, {"a": np.arange(3) + 1})
+    with pytest.raises(AssertionError):
+        DataProto.from_dict({"obs": obs}).chunk(3)
+    for dims in (2, 3):
+        with pytest.raises(AssertionError):
+            DataProto.from_dict({"obs": obs, "act": torch.randn(4, 2, 3)}, num_batch_dims=dims)
+    with pytest.raises(AssertionError, match="Conflicting values for meta_info key 'config'"):
+        DataProto.concat([DataProto.from_dict({"obs": obs}, meta_info={"config": "A"}),
+                          DataProto.from_dict({"obs": obs}, meta_info={"config": "B"})])
+    data = DataProto.from_dict({"obs": obs}, meta_info={"k": 1})
+    for kwargs in ({"batch_keys": ["nope"]}, {"meta_info_keys": ["nope"]}, {"non_tensor_batch_keys": ["nope"]}):
+        with pytest.raises(AssertionError):
+            data.pop(**kwargs)
+        with pytest.raises(KeyError):  # and still a KeyError for code that expects one
+            data.pop(**kwargs)
+    with pytest.raises(AssertionError):
+        data.make_iterator(mini_batch_size=3, epochs=1)
+    with pytest.raises(AssertionError):
+        pad_dataproto_to_divisor("not a DataProto", 2)
+    with pytest.raises(ValueError):  # the reference raises ValueError for an unsupported value type
+        DataProto.from_single_dict({"s": 3})
+    assert issubclass(DataProtoTypeError, TypeError) and issubclass(DataProtoKeyError, KeyError)
+
+
+def test_union_numpy_dict_deep_equality():
+    """N-d arrays, object arrays (NaN and the string 'nan'), nested object arrays and NaN positions."""
+    arr_3d = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+    union_numpy_dict({"x": arr_3d}, {"x": arr_3d.copy()})
+    with pytest.raises(UnionConflictError, match="'x'"):
+        union_numpy_dict({"x": arr_3d}, {"x": arr_3d + 1})
+    nan_mix = np.array([float("nan")] * 4 + ["nan"], dtype=object)
+    union_numpy_dict({"b": nan_mix}, {"b": nan_mix.copy()})
+    sub1, sub2 = np.array([1, 2]), np.array([3.0, 4.0])
+    obj_2d = np.array([[sub1, "text"], [sub2, None]], dtype=object)
+    union_numpy_dict({"d": obj_2d}, {"d": obj_2d.copy()})
+    with pytest.raises(UnionConflictError):
+        union_numpy_dict({"d": obj_2d}, {"d": np.array([[sub1, "text"], [sub2, "other"]], dtype=object)})
+    obj_4d = np.empty((2, 1, 1, 1), dtype=object)
+    obj_4d[0, 0, 0, 0], obj_4d[1, 0, 0, 0] = sub1, sub2
+    other_4d = obj_4d.copy()
+    other_4d[1, 0, 0, 0] = np.array([9, 9])
+    union_numpy_dict({"d": obj_4d}, {"d": obj_4d.copy()})
+    with pytest.raises(UnionConflictError):
+        union_numpy_dict({"d": obj_4d}, {"d": other_4d})
+    nan_arr = np.array([1.0, np.nan, 3.0])
+    union_numpy_dict({"n": nan_arr}, {"n": np.array([1.0, np.nan, 3.0])})
+    for other in (np.array([1.0, 2.0, 3.0]), np.array([np.nan, 1.0, 3.0])):
+        with pytest.raises(UnionConflictError):
+            union_numpy_dict({"n": nan_arr}, {"n": other})
+    nan32 = np.empty(1, dtype=object)
+    nan32[0] = np.float32("nan")
+    union_numpy_dict({"f": nan32}, {"f": nan32.copy()})  # NaN of a numpy scalar type is equal to itself too
+
+
+def test_union_terminates_on_cyclic_values():
+    """Self-referencing object arrays (and lists) compare structurally instead of recursing forever."""
+    def cyclic():
+        arr = np.array([None], dtype=object)
+        arr[0] = arr
+        return arr
+
+    union_numpy_dict({"c": cyclic()}, {"c": cyclic()})
+    with pytest.raises(UnionConflictError):
+        union_numpy_dict({"c": cyclic()}, {"c": np.array([None], dtype=object)})
+    a, b = [1], [1]
+    a.append(a)
+    b.append(b)
+    union_meta_info({"m": a}, {"m": b})
+    c = [2]
+    c.append(c)
+    with pytest.raises(UnionConflictError):
+        union_meta_info({"m": a}, {"m": c})
+    # Two cycles of different shape: [x, [x, ...]] vs a direct self-reference.
+    outer, inner = np.empty(2, dtype=object), np.empty(2, dtype=object)
+    outer[0], outer[1], inner[0], inner[1] = 1, inner, 1, outer
+    direct = np.empty(2, dtype=object)
+    direct[0], direct[1] = 1, direct
+    union_numpy_dict({"c": outer}, {"c": direct})  # both unfold to the same infinite structure
+
+
+def test_concat_merges_metrics_of_every_worker():
+    def part(lo, meta):
+        return DataProto.from_dict({"obs": torch.tensor([lo, lo + 1])}, meta_info=meta)
+
+    workers = [part(1, {"metrics": [{"loss": 0.5, "accuracy": 0.9}], "config_flag": True}),
+               part(3, {"metrics": [{"loss": 0.6, "accuracy": 0.85}], "config_flag": True}),
+               part(5, {"metrics": [{"loss": 0.55, "accuracy": 0.88}], "config_flag": True})]
+    out = DataProto.concat(workers)
+    assert out.batch["obs"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert out.meta_info == {"metrics": {"loss": [0.5, 0.6, 0.55], "accuracy": [0.9, 0.85, 0.88]},
+                             "config_flag": True}
+    # One worker without metrics (first or not), plain dicts instead of lists, None, several dicts per worker.
+    assert DataProto.concat([part(1, {"metrics": [{"loss": 0.5}], "flag": True}),
+                             part(3, {"flag": True})]).meta_info == {"metrics": {"loss": [0.5]}, "flag": True}
+    assert DataProto.concat([part(1, {"f": True}), part(3, {"metrics": {"loss": 0.6}, "f": True}),
+                             part(5, {"metrics": {"loss": 0.55}, "f": True})]).meta_info["metrics"] == \
+        {"loss": [0.6, 0.55]}
+    assert DataProto.concat([part(1, {"metrics": None}), part(3, {"metrics": [{"a": 1}, {"a": 2}]})]).meta_info == \
+        {"metrics": {"a": [1, 2]}}
+    assert "metrics" not in DataProto.concat([part(1, {"metrics": None}), part(3, {})]).meta_info
+    merged = DataProto.concat([part(1, {"config": "A", "shared": "X"}), part(3, {"extra": "B", "shared": "X"}),
+                               part(5, {"another": "C", "shared": "X"})]).meta_info
+    assert merged == {"config": "A", "shared": "X", "extra": "B", "another": "C"}
+    with pytest.raises(DataProtoTypeError, match=r"data\[0\].meta_info\['metrics'\]\[1\] is int"):
+        DataProto.concat([part(1, {"metrics": [{"a": 1}, 2]})])
+
+
+def test_list_of_dict_to_dict_of_list():
+    assert list_of_dict_to_dict_of_list([]) == {}
+    assert list_of_dict_to_dict_of_list([{"a": 1, "b": 2}, {"a": 3}]) == {"a": [1, 3], "b": [2]}
+    with pytest.raises(DataProtoTypeError, match="entry 1 is list"):
+        list_of_dict_to_dict_of_list([{"a": 1}, [1]])
+
+
+def test_serialize_single_tensor_round_trip_every_dtype():
+    dtypes = [torch.float32, torch.float64, torch.int32, torch.int64, torch.bool, torch.bfloat16, torch.float16,
+              torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2]
+    for dtype in dtypes:
+        t = (torch.randn(3, 4, 5) * 4).to(dtype)
+        name, shape, data = serialize_single_tensor(t)
+        assert name == str(dtype).removeprefix("torch.") and shape == (3, 4, 5) and data.dtype == np.uint8
+        for raw in (data, data.tobytes(), memoryview(data.tobytes())):  # any byte buffer reads back
+            back = deserialize_single_tensor((name, shape, raw))
+            assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"needs 8 bytes, found 4"):
+        deserialize_single_tensor(("float32", (2,), np.zeros(4, dtype=np.uint8)))
+    with pytest.raises(TypeError, match="dense"):
+        serialize_single_tensor(to_nested([torch.ones(2)]))
+
+
+def test_serialize_tensordict_tuple_keeps_batch_dims_and_device():
+    td = TensorDict({"tensor1": torch.randn(5, 3, 4), "tensor2": torch.randint(0, 10, (5, 3, 2))},
+                    batch_size=(5, 3), device="cpu")
+    batch_size, device, items = serialize_tensordict(td)
+    assert batch_size == (5, 3) and device == "cpu" and set(items) == {"tensor1", "tensor2"}
+    back = deserialize_tensordict((batch_size, device, items))
+    assert back.batch_size == td.batch_size and str(back.device) == "cpu"
+    for key in td.keys():
+        assert back[key].dtype == td[key].dtype and torch.equal(back[key], td[key])
+    empty = deserialize_tensordict(serialize_tensordict(TensorDict({}, batch_size=[4])))
+    assert empty.batch_size == (4,) and not list(empty.keys()) and empty.device is None
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_serialize_tensordict_nested_layouts_and_readers():
+    strided = torch.nested.as_nested_tensor([torch.randn(2, 3), torch.randn(3, 4), torch.randn(1, 5)])
+    jagged = to_nested([torch.arange(2), torch.arange(0), torch.arange(4)])
+    td = TensorDict({"nested": strided, "jag": jagged, "regular": torch.randn(3, 4, 5)}, batch_size=(3,))
+    raw = serialize_tensordict(td)
+    assert raw[2]["nested"][0] == "strided" and raw[2]["jag"][0] == "jagged" and len(raw[2]["jag"][1]) == 3
+    back = deserialize_tensordict(pickle.loads(pickle.dumps(raw)))
+    assert back["nested"].layout == torch.strided and back["jag"].layout == torch.jagged
+    for key in ("nested", "jag"):
+        for a, b in zip(td[key].unbind(), back[key].unbind(), strict=True):
+            assert a.shape == b.shape and torch.equal(a, b)
+    # A tuple built by hand the way the reference writes it (bytes as a plain buffer) reads back the same.
+    items = {"x": ("int64", (2,), torch.tensor([7, 8]).numpy().tobytes()),
+             "n": ("jagged", [("float32", (1,), np.float32([1.5]).tobytes()), ("float32", (0,), b"")])}
+    ref = deserialize_tensordict(((2,), None, items))
+    assert ref["x"].tolist() == [7, 8] and nested_lengths(ref["n"]).tolist() == [1, 0]
+    # The earlier dict format of this project still reads back.
+    v1 = {"format": "rldispatch.td.v1", "batch_size": (2,), "fields": {
+        ("d",): {"kind": "dense", "dtype": "int64", "shape": (2,), "data": torch.tensor([3, 4]).numpy().view(np.uint8)},
+        ("j",): {"kind": "jagged", "dtype": "float32", "shape": (3,), "data": np.float32([1, 2, 3]).view(np.uint8),
+                 "offsets": np.array([0, 1, 3])}}}
+    old = deserialize_tensordict(v1)
+    assert old["d"].tolist() == [3, 4] and [c.tolist() for c in old["j"].unbind()] == [[1.0], [2.0, 3.0]]
+    with pytest.raises(AssertionError, match="expected length|parts"):
+        deserialize_tensordict(((1,), None, {"x": ("int64", (1,))}))
+
+
+def _strided_batch(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    comps = [torch.randn(*s, generator=g) for s in shapes]
+    return DataProto.from_dict({"img": strided_nested(comps), "id": torch.arange(len(shapes))},
+                               {"uid": [f"u{i}" for i in range(len(shapes))]}), comps
+
+
+strided_shapes = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3)), min_size=1, max_size=6)
+
+
+@SETTINGS
+@given(shapes=strided_shapes, data_=st.data())
+def test_strided_nested_fields_follow_every_sample_operation(shapes, data_):
+    """Ragged-in-two-dims samples move with their uid through index, slice, repeat, chunk, concat and pickling."""
+    data, comps = _strided_batch(shapes)
+    n = len(shapes)
+
+    def check(out, idx):
+        assert is_strided_nested(out.batch["img"]) and out.batch["img"].size(0) == len(idx)
+        assert out.non_tensor_batch["uid"].tolist() == [f"u{i}" for i in idx]
+        for got, i in zip(out.batch["img"].unbind(), idx):
+            assert torch.equal(got, comps[i])
+
+    idx = data_.draw(st.lists(st.integers(0, n - 1), max_size=8))
+    check(data.select_idxs(idx), idx)
+    mask = data_.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    check(data[np.array(mask)], [i for i in range(n) if mask[i]])
+    check(data[1::2], list(range(n))[1::2])
+    check(data.repeat(2), [i for i in range(n) for _ in range(2)])
+    check(data.repeat(2, interleave=False), list(range(n)) * 2)
+    check(DataProto.concat(data.repeat(2).chunk(2)), [i for i in range(n) for _ in range(2)])
+    check(DataProto.concat([data, data[::-1]]), list(range(n)) + list(range(n))[::-1])
+    check(pickle.loads(pickle.dumps(data)), list(range(n)))
+    perm = data_.draw(st.permutations(list(range(n))))
+    moved = data.select_idxs(list(range(n)))
+    moved.reorder(torch.tensor(perm))
+    check(moved, perm)
+    padded, pad = pad_dataproto_to_divisor(data, 4)
+    check(unpad_dataproto(padded, pad), list(range(n)))
+    assert data.select(batch_keys=["img"]).union(data) is not None  # equal strided fields union cleanly
+    other, _ = _strided_batch(shapes, seed=1)
+    if any(a * b for a, b in shapes):
+        with pytest.raises(UnionConflictError, match="'img'"):
+            data.select(batch_keys=["img"]).union(other)
+
+
+def test_strided_concat_refuses_other_layouts():
+    data, _ = _strided_batch([(1, 2), (2, 1)])
+    dense = DataProto.from_dict({"img": torch.zeros(1, 2, 2), "id": torch.arange(1)}, {"uid": ["x"]})
+    with pytest.raises(BatchSizeMismatchError, match=r"'img' is dense float32 \[n, 2, 2\] in data\[1\] but "
+                                                     r"strided-nested float32 \[n, \*, \*\]"):
+        DataProto.concat([data, dense])
+
+
+def test_from_tensordict_and_to_tensordict_with_nested_python_values():
+    raw_prompt = [[{"content": "Q1", "role": "user"}], [{"content": "Q2", "role": "user"},
+                                                         {"content": "A2", "role": "assistant"}], [{"content": "Q3"}]]
+    data = DataProto.from_dict(
+        tensors={"obs": torch.tensor([1, 2, 3])},
+        non_tensors={"labels": ["a", "b", "c"], "turn_scores": [[], [0.5, 0.8], [0.9]],
+                     "reward_extra_info": [{"acc": 1.0}, {"acc": 0.0}, {"acc": 1.0}], "raw_prompt": raw_prompt,
+                     "num_turns": np.array([2, 4, 1], dtype=np.int32)},
+        meta_info={"global_steps": 42})
+    td = data.to_tensordict()
+    assert torch.equal(td["obs"], torch.tensor([1, 2, 3])) and td["global_steps"] == 42
+    assert td["labels"] == ["a", "b", "c"]
+    assert [list(x) for x in td["turn_scores"]] == [[], [0.5, 0.8], [0.9]]
+    assert [dict(x) for x in td["reward_extra_info"]] == [{"acc": 1.0}, {"acc": 0.0}, {"acc": 1.0}]
+    assert dict(td["raw_prompt"][1][1]) == {"content": "A2", "role": "assistant"}
+    back = DataProto.from_tensordict(td)
+    assert back.meta_info == {"global_steps": 42} and torch.equal(back.batch["obs"], data.batch["obs"])
+    assert back.non_tensor_batch["labels"].tolist() == ["a", "b", "c"]
+    assert [list(x) for x in back.non_tensor_batch["turn_scores"]] == [[], [0.5, 0.8], [0.9]]
+    assert [list(x) for x in back.non_tensor_batch["raw_prompt"]] == raw_prompt
+    assert back.non_tensor_batch["num_turns"].tolist() == [2, 4, 1]
+    built = TensorDict({"obs": torch.arange(6)}, batch_size=[6])
+    built["labels"] = NonTensorStack(*"abcdef")
+    built.set_non_tensor("name", "abdce")
+    got = DataProto.from_tensordict(built)
+    assert got.non_tensor_batch["labels"].tolist() == list("abcdef") and got.meta_info["name"] == "abdce"
+
+
+def test_subclasses_and_auto_padding_keywords_are_kept():
+    class CustomProto(DataProto):
+        pass
+
+    assert type(CustomProto.from_single_dict({"x": torch.tensor([0])})) is CustomProto
+    assert type(CustomProto.from_dict({"x": torch.tensor([0])}).repeat(2)) is CustomProto
+    flagged = DataProto.from_dict({"a": torch.zeros(3)}, auto_padding=True)
+    assert flagged.meta_info == {DataProtoConfig.auto_padding_key: True} and flagged.is_padding_enabled()
+    assert DataProto.from_single_dict({"a": torch.zeros(3)}, auto_padding=True).is_padding_enabled()
+    assert not DataProto.from_dict({"a": torch.zeros(3)}).is_padding_enabled()
+    assert [len(c) for c in flagged.chunk(2)] == [2, 1]
+
+
+def test_auto_padding_switch_env_and_context(monkeypatch):
+    monkeypatch.delenv("VERL_AUTO_PADDING", raising=False)
+    assert DataProtoConfig.auto_padding is False
+    with auto_padding():
+        assert DataProtoConfig.auto_padding is True
+        with auto_padding(False):
+            assert DataProtoConfig.auto_padding is False
+        assert DataProtoConfig.auto_padding is True
+    assert DataProtoConfig.auto_padding is False
+    with pytest.raises(RuntimeError), auto_padding():
+        raise RuntimeError("restored even on error")
+    assert DataProtoConfig.auto_padding is False
+    with pytest.raises(AssertionError, match="expected a bool, found 1"):
+        DataProtoConfig.auto_padding = 1
+    for value in ("1", "true", "TRUE"):
+        monkeypatch.setenv("VERL_AUTO_PADDING", value)
+        assert DataProtoConfig.auto_padding is True
+    monkeypatch.setenv("VERL_AUTO_PADDING", "0")
+    assert DataProtoConfig.auto_padding is False
+
+
+@SETTINGS
+@given(n=st.integers(1, 19), chunks=st.integers(1, 6), first=st.booleans())
+def test_padding_then_chunk_gives_equal_parts(n, chunks, first):
+    data = DataProto.from_dict({"a": torch.arange(n)}, {"na": np.arange(n).astype(object)})
+    size = (-n) % chunks
+    data.padding(size, "first" if first else "")
+    assert len(data) == n + size
+    pad_source = 0 if first else n - 1
+    assert data.batch["a"].tolist() == list(range(n)) + [pad_source] * size
+    assert data.non_tensor_batch["na"].tolist() == list(range(n)) + [pad_source] * size
+    parts = data.chunk(chunks)
+    assert [len(p) for p in parts] == [(n + size) // chunks] * chunks
+    with auto_padding():  # an indivisible batch splits into exactly `chunks` parts, sizes within one of each other
+        raw = DataProto.from_dict({"a": torch.arange(n)})
+        sizes = [len(p) for p in raw.chunk(chunks)]
+        assert len(sizes) == chunks and sum(sizes) == n and max(sizes) - min(sizes) <= 1
+        assert sizes == sorted(sizes, reverse=True)
+        assert DataProto.concat(raw.chunk(chunks)).batch["a"].tolist() == list(range(n))
+
+
+def test_padding_refusals():
+    data = DataProto.from_dict({"a": torch.arange(2)})
+    with pytest.raises(ValueError, match="padding_candidate"):
+        data.padding(1, "middle")
+    with pytest.raises(ValueError, match="padding_size: expected >= 0"):
+        data.padding(-1)
+    with pytest.raises(BatchSizeMismatchError, match="empty"):
+        DataProto.from_dict({"a": torch.arange(0)}).padding(1)
+    data.padding(0)
+    assert len(data) == 2
+
+
+def test_fold_and_unfold_batch_dim():
+    data = DataProto.from_dict({"obs": torch.tensor([[1, 2], [3, 4], [5, 6]])}, {"labels": ["a", "b", "c"]},
+                               meta_info={"info": "x"}).repeat(2)
+    folded = fold_batch_dim(data, new_batch_size=3)
+    assert folded.batch.batch_size == (3,) and folded.batch["obs"].tolist() == [[[1, 2], [1, 2]], [[3, 4], [3, 4]],
+                                                                                [[5, 6], [5, 6]]]
+    assert folded.non_tensor_batch["labels"].tolist() == [["a", "a"], ["b", "b"], ["c", "c"]]
+    assert data.non_tensor_batch["labels"].shape == (6,)  # the input is left as it was
+    folded.reorder(torch.tensor([1, 2, 0]))
+    back = unfold_batch_dim(folded, batch_dims=2)
+    assert back.batch["obs"].tolist() == [[3, 4], [3, 4], [5, 6], [5, 6], [1, 2], [1, 2]]
+    assert back.non_tensor_batch["labels"].tolist() == ["b", "b", "c", "c", "a", "a"]
+    assert back.meta_info == {"info": "x"}
+    with pytest.raises(BatchSizeMismatchError, match="6 samples cannot fold into 4"):
+        fold_batch_dim(data, 4)
+    with pytest.raises(DataProtoTypeError, match="'j' is not a dense"):
+        fold_batch_dim(DataProto.from_dict({"j": to_nested([torch.ones(1), torch.ones(2)])}), 1)
+    with pytest.raises(BatchSizeMismatchError, match="fewer than batch_dims=2"):
+        unfold_batch_dim(DataProto.from_dict({"a": torch.arange(3)}), 2)
+
+
+def test_unfold_column_chunks():
+    obs1 = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
+    obs2 = torch.tensor([[1, 2], [5, 6], [9, 10]])
+    data = DataProto.from_dict({"obs1": obs1, "obs2": obs2, "r": to_nested([torch.ones(1), torch.ones(2),
+                                                                             torch.ones(0)])},
+                               {"labels": ["a", "b", "c"], "pairs": [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]],
+                                "grid": np.arange(12).reshape(3, 4)}, meta_info={"name": "abc"})
+    out = data.unfold_column_chunks(2, split_keys=["obs1", "pairs", "grid"])
+    assert out.batch["obs1"].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
+    assert out.batch["obs2"].tolist() == [[1, 2], [1, 2], [5, 6], [5, 6], [9, 10], [9, 10]]
+    assert nested_lengths(out.batch["r"]).tolist() == [1, 1, 2, 2, 0, 0]
+    assert out.non_tensor_batch["labels"].tolist() == ["a", "a", "b", "b", "c", "c"]
+    assert out.non_tensor_batch["pairs"].tolist() == [["a1"], ["a2"], ["b1"], ["b2"], ["c1"], ["c2"]]
+    assert out.non_tensor_batch["grid"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert out.meta_info == {"name": "abc"}
+    three_d = DataProto.from_dict({"o": torch.arange(24).reshape(3, 4, 2)}).unfold_column_chunks(2, ["o"])
+    assert three_d.batch["o"].shape == (6, 2, 2) and torch.equal(three_d.batch["o"][1], torch.tensor([[4, 5], [6, 7]]))
+    everything = data.unfold_column_chunks(2)  # no split keys: every field is repeated
+    assert torch.equal(everything.batch["obs1"], torch.repeat_interleave(obs1, 2, dim=0))
+    with pytest.raises(KeyError, match=r"\['nope'\]"):
+        data.unfold_column_chunks(2, ["nope"])
+    with pytest.raises(BatchSizeMismatchError, match="'r' is jagged"):
+        data.unfold_column_chunks(2, ["r"])
+    with pytest.raises(BatchSizeMismatchError, match="not divisible by 3"):
+        data.unfold_column_chunks(3, ["grid"])
+    with pytest.raises(BatchSizeMismatchError, match=r"\['labels'\]\[0\] is length 1"):
+        data.unfold_column_chunks(2, ["labels"])
