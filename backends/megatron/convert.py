@@ -1,6 +1,7 @@
 """Weights both ways between the project's decoder layout and megatron-core's GPTModel (QKV groups, TP shards, PP stages).
 
 Project layout (``backends.model.llama``): ``embed_tokens.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+``layers.{i}.self_attn.{q,k,v}_proj.bias`` (Qwen2), ``layers.{i}.self_attn.{q,k}_norm.weight`` (Qwen3),
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
 ``norm.weight``, ``lm_head.weight`` (absent when tied).
 
@@ -8,7 +9,8 @@ megatron-core layout, per TP rank and pipeline chunk (``{l}`` = the chunk's loca
 
 * ``decoder.layers.{l}.self_attention.linear_qkv.weight`` – for each kv group of this rank, its ``g`` query heads,
   then its key head, then its value head (``g = num_heads / num_kv_heads``); rank ``r`` holds groups
-  ``[r·G/tp, (r+1)·G/tp)``;
+  ``[r·G/tp, (r+1)·G/tp)``; ``linear_qkv.bias`` is grouped and split the same way;
+* ``self_attention.{q,k}_layernorm.weight`` (per-head norms over ``head_dim``) replicated;
 * ``linear_proj`` (o_proj) and ``linear_fc2`` (down_proj) split along the input dimension;
 * ``decoder.layers.{l}.mlp.linear_fc1.weight`` = ``[gate shard r; up shard r]``;
 * ``embedding.word_embeddings.weight`` / ``output_layer.weight`` split along the vocabulary;
@@ -23,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from backends.model.config import ModelConfig
+from backends.model.llama import parameter_shapes
 
 __all__ = [
     "ConversionError", "qkv_to_megatron", "qkv_from_megatron", "to_megatron_shard", "from_megatron_shards",
@@ -41,60 +44,44 @@ class ConversionError(KeyError):
 
 def expected_project_names(cfg: ModelConfig) -> list[str]:
     """Every parameter name of the project's decoder for ``cfg``."""
-    names = ["embed_tokens.weight", "norm.weight"]
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
+    return list(parameter_shapes(cfg))
 
 
 def _check_project(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
-    expected = set(expected_project_names(cfg))
-    missing = sorted(expected - set(sd))
-    extra = sorted(set(sd) - expected)
+    shapes = parameter_shapes(cfg)
+    missing = sorted(set(shapes) - set(sd))
+    extra = sorted(set(sd) - set(shapes))
     if missing or extra:
         raise ConversionError(
-            f"weights do not match the model config: missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
-            f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}")
-    h, hd = cfg.hidden_size, cfg.head_dim
-    shapes = {
-        "embed_tokens.weight": (cfg.vocab_size, h),
-        "layers.0.self_attn.q_proj.weight": (cfg.num_heads * hd, h),
-        "layers.0.self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
-        "layers.0.mlp.gate_proj.weight": (cfg.intermediate_size, h),
-        "layers.0.mlp.down_proj.weight": (h, cfg.intermediate_size),
-    }
+            f"weights do not match the {cfg.model_type} model config: missing {missing[:6]}"
+            f"{'...' if len(missing) > 6 else ''}, unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}")
     for name, shape in shapes.items():
         if tuple(sd[name].shape) != shape:
             raise ConversionError(f"weight {name!r} has shape {tuple(sd[name].shape)}, expected {shape}")
 
 
 def qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Full (unsharded) megatron ``linear_qkv`` weight from separate q/k/v projections, grouped per kv head."""
+    """Full (unsharded) megatron ``linear_qkv`` weight (or bias) from separate q/k/v projections, grouped per kv head."""
     hd, groups = cfg.head_dim, cfg.num_kv_heads
     g = cfg.num_heads // groups
-    h = q.shape[-1]
-    qg = q.reshape(groups, g * hd, h)
-    kg = k.reshape(groups, hd, h)
-    vg = v.reshape(groups, hd, h)
-    return torch.cat([qg, kg, vg], dim=1).reshape(groups * (g + 2) * hd, h)
+    rest = tuple(q.shape[1:])  # (hidden,) for weights, () for biases
+    qg = q.reshape(groups, g * hd, *rest)
+    kg = k.reshape(groups, hd, *rest)
+    vg = v.reshape(groups, hd, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(groups * (g + 2) * hd, *rest)
 
 
 def qkv_from_megatron(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`qkv_to_megatron`: (q, k, v) projections from a full grouped ``linear_qkv`` weight."""
+    """Inverse of :func:`qkv_to_megatron`: (q, k, v) projections from a full grouped ``linear_qkv`` weight or bias."""
     hd, groups = cfg.head_dim, cfg.num_kv_heads
     g = cfg.num_heads // groups
-    h = qkv.shape[-1]
+    rest = tuple(qkv.shape[1:])
     if qkv.shape[0] != groups * (g + 2) * hd:
-        raise ConversionError(f"linear_qkv weight has {qkv.shape[0]} rows, expected {groups * (g + 2) * hd}")
-    grouped = qkv.reshape(groups, (g + 2) * hd, h)
-    q = grouped[:, : g * hd].reshape(groups * g * hd, h)
-    k = grouped[:, g * hd: (g + 1) * hd].reshape(groups * hd, h)
-    v = grouped[:, (g + 1) * hd:].reshape(groups * hd, h)
+        raise ConversionError(f"linear_qkv has {qkv.shape[0]} rows, expected {groups * (g + 2) * hd}")
+    grouped = qkv.reshape(groups, (g + 2) * hd, *rest)
+    q = grouped[:, : g * hd].reshape(groups * g * hd, *rest)
+    k = grouped[:, g * hd: (g + 1) * hd].reshape(groups * hd, *rest)
+    v = grouped[:, (g + 1) * hd:].reshape(groups * hd, *rest)
     return q, k, v
 
 
@@ -127,6 +114,13 @@ def to_megatron_shard(
                               sd[p + "self_attn.v_proj.weight"], cfg)
         out[m + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"].clone()
         out[m + "self_attention.linear_qkv.weight"] = _chunk(qkv, tp_size, tp_rank, 0)
+        if cfg.qkv_bias:
+            bias = qkv_to_megatron(sd[p + "self_attn.q_proj.bias"], sd[p + "self_attn.k_proj.bias"],
+                                   sd[p + "self_attn.v_proj.bias"], cfg)
+            out[m + "self_attention.linear_qkv.bias"] = _chunk(bias, tp_size, tp_rank, 0)
+        if cfg.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = sd[p + "self_attn.q_norm.weight"].clone()
+            out[m + "self_attention.k_layernorm.weight"] = sd[p + "self_attn.k_norm.weight"].clone()
         out[m + "self_attention.linear_proj.weight"] = _chunk(sd[p + "self_attn.o_proj.weight"], tp_size, tp_rank, 1)
         out[m + "pre_mlp_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"].clone()
         out[m + "mlp.linear_fc1.weight"] = torch.cat([
@@ -177,6 +171,13 @@ def from_megatron_shards(
         q, k, v = qkv_from_megatron(cat(m + "self_attention.linear_qkv.weight", 0), cfg)
         out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
         out[p + "self_attn.v_proj.weight"] = v
+        if cfg.qkv_bias:
+            qb, kb, vb = qkv_from_megatron(cat(m + "self_attention.linear_qkv.bias", 0), cfg)
+            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"], out[p + "self_attn.v_proj.bias"] = (
+                qb, kb, vb)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"].clone()
+            out[p + "self_attn.k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"].clone()
         out[p + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
         out[p + "input_layernorm.weight"] = first[m + "input_layernorm.weight"].clone()
         out[p + "post_attention_layernorm.weight"] = first[m + "pre_mlp_layernorm.weight"].clone()

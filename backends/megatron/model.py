@@ -1,4 +1,10 @@
-"""megatron-core GPTModel built to the project's decoder architecture (RMSNorm, SwiGLU, rotary, GQA, no bias)."""
+"""megatron-core GPTModel built to the project's decoder architecture (RMSNorm, SwiGLU, rotary, GQA, q/k/v bias, q/k norm).
+
+Rotary frequencies are the project's own (``backends.model.llama.rope_inv_freq``) installed in megatron-core's
+RotaryEmbedding: its ``rope_scaling`` flag fixes the llama3 low/high frequency factors and the original context length
+(1, 4, 8192) and its linear interpolation divides positions rather than frequencies, so neither matches every
+Hugging Face checkpoint bit for bit.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,9 +12,10 @@ import torch.nn.functional as F
 
 from backends.config import MegatronConfig
 from backends.model.config import ModelConfig
+from backends.model.llama import rope_inv_freq
 
 __all__ = ["MegatronModelError", "check_model_fits", "transformer_config", "layer_spec", "build_model_chunks",
-           "te_available"]
+           "install_rotary", "te_available"]
 
 
 class MegatronModelError(ValueError):
@@ -70,7 +77,8 @@ def transformer_config(model: ModelConfig, par: MegatronConfig, *, dtype: torch.
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_std,
@@ -103,6 +111,7 @@ def transformer_config(model: ModelConfig, par: MegatronConfig, *, dtype: torch.
         batch_p2p_comm=not (par.vpp > 1 and not on_gpu),
         calculate_per_token_loss=True,  # the loss function already divides by the step's global counts
         deallocate_pipeline_outputs=False,
+        cuda_graph_scope=[],  # no CUDA graphs; megatron-core's default "full" is deprecated (it asks for [])
     )
 
 
@@ -113,8 +122,21 @@ def layer_spec(model: ModelConfig, *, use_te: bool | None = None):
     if use_te is None:
         use_te = te_available()
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)  # norm type from the config
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_norm)
+
+
+def install_rotary(gpt, model: ModelConfig) -> None:
+    """Give ``gpt``'s rotary embedding the project's inverse frequencies for ``model.rope_type`` (exact HF rope)."""
+    rot = getattr(gpt, "rotary_pos_emb", None)
+    if rot is None or not hasattr(rot, "inv_freq"):
+        raise MegatronModelError(f"the megatron-core GPTModel has no rotary embedding to receive model.rope_type="
+                                 f"{model.rope_type!r}")
+    inv = rope_inv_freq(model)
+    if tuple(rot.inv_freq.shape) != tuple(inv.shape):
+        raise MegatronModelError(f"megatron-core rotary has {tuple(rot.inv_freq.shape)} frequencies, model.head_dim="
+                                 f"{model.head_dim} needs {tuple(inv.shape)}")
+    rot.inv_freq = inv.to(rot.inv_freq.device)
 
 
 def build_model_chunks(model: ModelConfig, par: MegatronConfig, tcfg, *, use_te: bool | None = None) -> list:
@@ -142,6 +164,7 @@ def build_model_chunks(model: ModelConfig, par: MegatronConfig, tcfg, *, use_te:
             rotary_base=model.rope_theta,
             vp_stage=vp_stage,
         )
+        install_rotary(gpt, model)
         if torch.cuda.is_available():
             gpt = gpt.cuda()
         chunks.append(gpt)

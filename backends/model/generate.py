@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.model.attention import packed_attention
-from backends.model.llama import LlamaModel, apply_rotary, rotary_cos_sin
+from backends.model.llama import LlamaModel
 
 __all__ = ["generate", "sample_next", "KVCache"]
 
@@ -49,20 +49,16 @@ class KVCache:
 
 def _prefill(model: LlamaModel, prompts: list[list[int]], cache: KVCache, device) -> torch.Tensor:
     """Run the packed prompts, filling the cache; return the logits at each prompt's last position [B, V]."""
-    cfg = model.cfg
     lens = [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(n, device=device) for n in lens])
     cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
     rows = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
     x = model.embed_tokens(ids)
-    cos, sin = rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+    cos, sin = model.rotary(pos, x.dtype)
     for li, layer in enumerate(model.layers):
         att = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = apply_rotary(att.q_proj(h).view(len(ids), -1, cfg.head_dim), cos, sin)
-        k = apply_rotary(att.k_proj(h).view(len(ids), -1, cfg.head_dim), cos, sin)
-        v = att.v_proj(h).view(len(ids), -1, cfg.head_dim)
+        q, k, v = att.project(layer.input_layernorm(x), cos, sin)
         cache.k[li][rows, pos] = k
         cache.v[li][rows, pos] = v
         x = x + att.o_proj(packed_attention(q, k, v, cu, max(lens)).reshape(len(ids), -1))
@@ -79,16 +75,14 @@ def _decode(model: LlamaModel, tokens: torch.Tensor, cache: KVCache) -> torch.Te
     pos = cache.lengths
     rows = torch.arange(B, device=tokens.device)
     x = model.embed_tokens(tokens)
-    cos, sin = rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+    cos, sin = model.rotary(pos, x.dtype)
     cap = cache.k[0].shape[1]
     visible = (torch.arange(cap, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,C]
     g = cfg.num_heads // cfg.num_kv_heads
     for li, layer in enumerate(model.layers):
         att = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = apply_rotary(att.q_proj(h).view(B, -1, cfg.head_dim), cos, sin)
-        cache.k[li][rows, pos] = apply_rotary(att.k_proj(h).view(B, -1, cfg.head_dim), cos, sin)
-        cache.v[li][rows, pos] = att.v_proj(h).view(B, -1, cfg.head_dim)
+        q, k, v = att.project(layer.input_layernorm(x), cos, sin)
+        cache.k[li][rows, pos], cache.v[li][rows, pos] = k, v
         keys = cache.k[li].transpose(1, 2).repeat_interleave(g, dim=1)  # [B, H, C, D]
         vals = cache.v[li].transpose(1, 2).repeat_interleave(g, dim=1)
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=visible)  # [B, H, 1, D]

@@ -1,7 +1,8 @@
-"""A small Llama-style decoder in plain torch over packed 1-D batches, with Hugging Face Llama parameter names."""
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch over packed 1-D batches, HF parameter names."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -12,8 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from backends.model.attention import check_cu_seqlens, packed_attention
 from backends.model.config import ModelConfig
 
-__all__ = ["LlamaModel", "DecoderLayer", "RMSNorm", "init_weights", "rotary_cos_sin", "apply_rotary",
-           "AttentionFn"]
+__all__ = ["LlamaModel", "DecoderLayer", "RMSNorm", "init_weights", "rope_inv_freq", "rotary_cos_sin", "apply_rotary",
+           "AttentionFn", "parameter_shapes"]
 
 # (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], cu_seqlens [n+1]) -> [T, Hq, D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -33,10 +34,39 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim / 2] (fp32) of ``cfg.rope_type``, as Hugging Face defines them.
+
+    default: ``theta^(-2i/d)``; linear: that / factor; llama3: wavelengths ``2π/f`` longer than
+    ``original_max / low_freq_factor`` are divided by the factor, those shorter than ``original_max /
+    high_freq_factor`` kept, and the band between interpolated with ``s = (original_max / wavelen - low) / (high - low)``:
+    ``(1 - s) f / factor + s f``.
+    """
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+    if cfg.rope_type == "linear":
+        return inv / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old = cfg.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    # fp32 on the CPU, never a module buffer: ``model.to(bfloat16)`` would round the frequencies
+    return rope_inv_freq(cfg)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """cos/sin [T, head_dim] of the rotate-half rotary embedding, computed in fp32 then cast to ``dtype``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
-    freqs = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]
+    freqs = position_ids.to(torch.float32)[:, None] * inv_freq.to(position_ids.device, torch.float32)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -49,26 +79,34 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary positions over a packed batch."""
+    """Grouped-query self-attention with rotary positions over a packed batch (optional q/k/v bias, q/k norm)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         d, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cu_seqlens, attention: AttentionFn) -> torch.Tensor:
-        T = x.shape[0]
-        d = self.cfg.head_dim
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of x [T, hidden]: projection, per-head norm, rotary."""
+        T, d = x.shape[0], self.cfg.head_dim
         q = self.q_proj(x).view(T, -1, d)
         k = self.k_proj(x).view(T, -1, d)
         v = self.v_proj(x).view(T, -1, d)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cu_seqlens, attention: AttentionFn) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
         out = attention(q, k, v, cu_seqlens)
-        return self.o_proj(out.reshape(T, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -126,6 +164,10 @@ class LlamaModel(nn.Module):
         init_weights(model, seed)
         return model.to(device) if device is not None else model
 
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, head_dim] at ``position_ids`` for this model's rope type."""
+        return rotary_cos_sin(position_ids, _cached_inv_freq(self.cfg), dtype)
+
     def output_weight(self) -> torch.Tensor:
         """The [V, hidden] output projection (the embedding when tied)."""
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
@@ -140,7 +182,7 @@ class LlamaModel(nn.Module):
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
             attention = functools.partial(packed_attention, max_seqlen=longest)
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, cu_seqlens, attention, use_reentrant=False)
@@ -162,13 +204,21 @@ class LlamaModel(nn.Module):
         return self.lm_head(h)
 
 
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter name of the decoder for ``cfg`` with its shape, in construction order (nothing allocated)."""
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in LlamaModel(cfg).named_parameters()}
+
+
 @torch.no_grad()
 def init_weights(model: LlamaModel, seed: int) -> None:
-    """Deterministic init independent of device and global RNG: matrices ~ normal(0, init_std), norms = 1."""
+    """Deterministic init independent of device and global RNG: matrices ~ normal(0, init_std), norms = 1, biases = 0."""
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     std = model.cfg.init_std
     for name, p in model.named_parameters():  # named_parameters order is fixed by construction
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):
             p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
         else:
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))

@@ -11,7 +11,7 @@ from protocol.algos.logprob import entropy_from_logits, response_logit_positions
 from backends.model.attention import check_cu_seqlens, packed_attention
 from backends.model.config import ModelConfig
 from backends.model.generate import generate, sample_next
-from backends.model.llama import LlamaModel, RMSNorm, apply_rotary, init_weights, rotary_cos_sin
+from backends.model.llama import LlamaModel, RMSNorm, apply_rotary, init_weights, rope_inv_freq, rotary_cos_sin
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
 
@@ -134,7 +134,8 @@ def test_rmsnorm_and_rotary_formulas():
     x = torch.randn(3, 6)
     torch.testing.assert_close(n(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * n.weight)
     pos = torch.tensor([0, 1, 5])
-    cos, sin = rotary_cos_sin(pos, 4, 100.0, torch.float32)
+    cfg = ModelConfig(hidden_size=8, num_heads=2, num_kv_heads=2, rope_theta=100.0)
+    cos, sin = rotary_cos_sin(pos, rope_inv_freq(cfg), torch.float32)
     x = torch.randn(3, 2, 4)
     out = apply_rotary(x, cos, sin)
     torch.testing.assert_close(out[0], x[0])  # position 0 is the identity

@@ -1,6 +1,7 @@
-"""The Hugging Face checkpoint loader: config mapping, renaming, refusals (no download, no transformers needed)."""
+"""The Hugging Face checkpoint loader: config mapping, renaming, refusals (no download; torch .bin weights)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -30,6 +31,8 @@ def test_round_trip_gives_identical_logits(tmp_path, tied):
     assert cfg == ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                               num_kv_heads=2, rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
                               max_position_embeddings=128)
+    assert config_from_hf({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}, "head_dim": 16}) == \
+        dataclasses.replace(cfg, rope_type="linear", rope_factor=2.0, head_dim=16)
     src = LlamaModel.from_seed(cfg, 3)
     _write_checkpoint(tmp_path, src, hf)
     loaded = load_hf_checkpoint(str(tmp_path))
@@ -41,8 +44,9 @@ def test_round_trip_gives_identical_logits(tmp_path, tied):
 
 @pytest.mark.parametrize("bad,match", [({"attention_bias": True}, "attention_bias"),
                                        ({"hidden_act": "gelu"}, "hidden_act"),
-                                       ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling"),
-                                       ({"head_dim": 16}, "head_dim")])
+                                       ({"rope_scaling": {"type": "yarn", "factor": 2}}, "rope_type='yarn'"),
+                                       ({"rope_scaling": {"type": "linear"}}, r"without \['factor'\]"),
+                                       ({"model_type": "gpt2"}, "model_type='gpt2' is not supported")])
 def test_unrepresentable_configs_are_refused(bad, match):
     with pytest.raises(HFCheckpointError, match=match):
         config_from_hf({**HF, **bad})
