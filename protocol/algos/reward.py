@@ -1,12 +1,14 @@
-"""Rule-based trajectory scoring: scorers registered by ``data_source``, reward managers registered by name, and
-the placement of a trajectory score on its last policy token (``rm_scores``).
+"""Trajectory rewards: reward managers by name, their configuration, and ``rm_scores`` at the last policy token.
 
-* A **scorer** maps ``(response_text, ground_truth, extra_info)`` to a float, or to a dict with a ``"score"``
-  entry plus extra per-trajectory values (e.g. ``"acc"``). Register one with ``@register_scorer("my_source")``.
-  A ``data_source`` without a registered scorer falls back to the task of that name in :mod:`protocol.rollout.tasks`.
+* **Scorers** (:mod:`protocol.algos.scorers`) map one decoded response to a float or to a dict with ``"score"``
+  and extra per-trajectory values; :func:`default_compute_score` picks one by ``data_source`` with the reference
+  system's signature and results. A user's function with that signature comes from
+  ``custom_reward_function.path`` / ``.name``.
 * A **reward manager** turns a batch of :class:`RewardInput` into a :class:`RewardResult` (a float32 score per
-  trajectory plus the scorers' extra values). ``"naive"`` decodes each response and calls the scorer of its
-  ``data_source``; ``"overlong"`` adds a linear penalty for responses that run into the length limit.
+  trajectory plus the extra values), selected by ``reward.manager``: ``naive`` scores each response on its own,
+  ``dapo`` adds the over-length penalty of ``reward.overlong_buffer``, ``batch`` hands the whole batch to one call
+  of the user's function. A score that is not finite *as float32* (NaN, inf, or 1e39 overflowing) is an error
+  naming the data source and the trajectory key, whatever produced it.
 * :func:`compute_rm_scores` writes each score at the trajectory's LAST policy token (the last position with
   ``response_mask == 1``) and 0 elsewhere. A response without any policy token has no action to reward: its
   score is *dropped* (the row stays all-zero) and counted (``with_dropped=True``), never written at a padding or
@@ -22,92 +24,56 @@ Example::
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from protocol.algos.scorers import (
+    RewardError,
+    Scorer,
+    UnknownDataSourceError,
+    default_compute_score,
+    exact_match_score,
+    get_scorer,
+    known_scorers,
+    load_reward_function,
+    needs_ground_truth,
+    register_scorer,
+)
+from protocol.algos.scorers.gsm8k import gsm8k_score
 from protocol.registry import Registry
 
 __all__ = [
     "RewardError",
+    "UnknownDataSourceError",
     "Scorer",
     "register_scorer",
     "get_scorer",
     "known_scorers",
+    "needs_ground_truth",
+    "default_compute_score",
+    "load_reward_function",
     "RewardInput",
     "RewardResult",
     "RewardManager",
     "NaiveRewardManager",
-    "OverlongRewardManager",
+    "DAPORewardManager",
+    "BatchRewardManager",
     "register_reward_manager",
     "make_reward_manager",
     "known_reward_managers",
+    "OverlongBufferConfig",
+    "RewardConfig",
+    "CustomRewardFunctionConfig",
+    "build_reward_manager",
+    "numeric_extras",
     "last_policy_index",
     "compute_rm_scores",
     "gsm8k_score",
     "exact_match_score",
 ]
-
-
-class RewardError(ValueError):
-    """An unknown data_source or reward manager, a scorer result of the wrong type, or mis-shaped score inputs."""
-
-
-Scorer = Callable[[str, Any, "Mapping[str, Any] | None"], "float | Mapping[str, Any]"]
-_SCORERS: Registry[Scorer] = Registry("scorer for data_source", error=RewardError)
-
-
-def register_scorer(name: str) -> Callable[[Scorer], Scorer]:
-    """Decorator: score trajectories whose ``data_source == name`` with the decorated function."""
-    return _SCORERS.register(name)
-
-
-def _task_names() -> list[str]:
-    try:
-        from protocol.rollout.tasks import known_tasks
-    except ImportError:  # tasks are optional for the reward registry
-        return []
-    return known_tasks()
-
-
-def known_scorers() -> list[str]:
-    """Every data_source that can be scored: registered scorers and the tasks of :mod:`protocol.rollout.tasks`."""
-    return sorted(set(_SCORERS.names()) | set(_task_names()))
-
-
-def get_scorer(data_source: str) -> Scorer:
-    """The scorer of ``data_source`` (a registered scorer, else the task's ``score``); unknown -> lists the known."""
-    if data_source in _SCORERS:
-        return _SCORERS.get(data_source)
-    if data_source in _task_names():
-        from protocol.rollout.tasks import get_task
-
-        return get_task(data_source).score
-    raise RewardError(f"no scorer for data_source {data_source!r}; known data sources: {known_scorers()}")
-
-
-# ------------------------------------------------------------------------------------------------- built-in scorers
-
-_GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
-
-
-@register_scorer("gsm8k")
-def gsm8k_score(response_text: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
-    """1.0 when the last ``#### <number>`` of the response equals the ground truth (commas ignored), else 0.0."""
-    found = _GSM8K_ANSWER.findall(response_text)
-    if not found:
-        return 0.0
-    answer = found[-1].replace(",", "").rstrip(".")
-    return 1.0 if answer == str(ground_truth).replace(",", "").strip() else 0.0
-
-
-@register_scorer("exact_match")
-def exact_match_score(response_text: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
-    """1.0 when the stripped response equals the stripped ground truth, else 0.0."""
-    return 1.0 if response_text.strip() == str(ground_truth).strip() else 0.0
 
 
 # ------------------------------------------------------------------------------------------------- reward managers
@@ -118,7 +84,8 @@ class RewardInput:
     """One trajectory to score: its valid response tokens and what its scorer needs.
 
     ``response_ids`` / ``response_mask`` have length ``response_len`` (no padding); ``reward_score`` is a score
-    already produced by the rollout (environment), used instead of the scorer when present.
+    already produced by the rollout (environment), used instead of the scorer when present. ``key`` (the
+    trajectory key) names the trajectory in errors.
     """
 
     response_ids: Sequence[int] | Tensor
@@ -128,42 +95,79 @@ class RewardInput:
     response_mask: Sequence[int] | Tensor | None = None
     reward_score: float | None = None
     is_padding: bool = False
+    key: str | None = None
 
 
 @dataclass
 class RewardResult:
-    """Scores float32 [n] in input order, plus each extra value the scorers returned (one list entry per input)."""
+    """Scores float32 [n] in input order, plus each extra value the scorers returned (one list entry per input;
+    None where an input gave no such value, as padding samples never do)."""
 
     scores: Tensor
     extras: dict[str, list[Any]] = field(default_factory=dict)
 
 
+def _split_result(data_source: str, result: Any) -> tuple[float, dict[str, Any]]:
+    """``(score, extra values)`` of one scorer result: a number, or a dict with a numeric ``"score"``."""
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise RewardError(f"scorer of data_source {data_source!r} returned a dict without 'score': "
+                              f"{sorted(result)}")
+        extra = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    else:
+        extra = {}
+    if isinstance(result, Tensor) and result.numel() == 1:
+        result = result.item()
+    if hasattr(result, "item") and callable(result.item) and not isinstance(result, (int, float)):
+        result = result.item()  # numpy scalars
+    if isinstance(result, bool) or not isinstance(result, (int, float)):
+        raise RewardError(f"scorer of data_source {data_source!r} returned {type(result).__name__} {result!r}; "
+                          f"expected a number or a dict with a numeric 'score'")
+    try:
+        return float(result), extra
+    except OverflowError:  # an int beyond float range: refused below as a non-finite score
+        return (math.inf if result > 0 else -math.inf), extra
+
+
 class RewardManager:
-    """Base reward manager: ``__call__(items) -> RewardResult``; padding samples always score 0."""
+    """Base reward manager: ``__call__(items) -> RewardResult``; padding samples always score 0.
+
+    Subclasses implement :meth:`score_one` (one trajectory) or :meth:`score_items` (all non-padding inputs).
+    """
 
     def __call__(self, items: Sequence[RewardInput]) -> RewardResult:
-        scores: list[float] = []
-        extras: dict[str, list[Any]] = {}
+        items = list(items)
         for i, item in enumerate(items):
             if not isinstance(item, RewardInput):
                 raise RewardError(f"reward input {i} must be a RewardInput, got {type(item).__name__}")
-            if item.is_padding:
-                value, extra = 0.0, {}
-            else:
-                value, extra = self.score_one(item)
-            if not math.isfinite(value):
-                raise RewardError(f"reward input {i} (data_source {item.data_source!r}) scored {value}; "
-                                  f"expected a finite number")
-            for k in extra:
-                extras.setdefault(k, [None] * i)
-            for k, lst in extras.items():
-                lst.append(extra.get(k))
-            scores.append(value)
-        return RewardResult(torch.tensor(scores, dtype=torch.float32), extras)
+        real = [i for i, item in enumerate(items) if not item.is_padding]
+        scored = self.score_items([items[i] for i in real]) if real else []
+        if len(scored) != len(real):
+            raise RewardError(f"{type(self).__name__} returned {len(scored)} results for {len(real)} trajectories")
+        values = [0.0] * len(items)
+        extras: dict[str, list[Any]] = {}
+        for i, (value, extra) in zip(real, scored):
+            values[i] = value
+            for k, v in extra.items():
+                extras.setdefault(k, [None] * len(items))[i] = v
+        scores = torch.tensor(values, dtype=torch.float32)
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            raise RewardError(
+                f"trajectory {items[i].key or f'#{i}'} (data_source {items[i].data_source!r}) scored {values[i]!r}, "
+                f"which is {scores[i].item()} as float32; expected a finite score ({len(bad)} of {len(items)} "
+                f"trajectories are not finite)")
+        return RewardResult(scores, extras)
+
+    def score_items(self, items: list[RewardInput]) -> list[tuple[float, dict[str, Any]]]:
+        """``(score, extra values)`` of each non-padding trajectory, in order (by default :meth:`score_one` each)."""
+        return [self.score_one(item) for item in items]
 
     def score_one(self, item: RewardInput) -> tuple[float, dict[str, Any]]:
         """The score of one non-padding trajectory and its extra values."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} implements neither score_items nor score_one")
 
 
 _MANAGERS: Registry[Callable[..., RewardManager]] = Registry("reward manager", key="reward.manager",
@@ -193,37 +197,25 @@ def _ids(name: str, values: Sequence[int] | Tensor) -> list[int]:
     return [int(x) for x in values]
 
 
-def _split_result(data_source: str, result: Any) -> tuple[float, dict[str, Any]]:
-    if isinstance(result, Mapping):
-        if "score" not in result:
-            raise RewardError(f"scorer of data_source {data_source!r} returned a dict without 'score': "
-                              f"{sorted(result)}")
-        extra = {k: v for k, v in result.items() if k != "score"}
-        result = result["score"]
-    else:
-        extra = {}
-    if isinstance(result, Tensor) and result.numel() == 1:
-        result = result.item()
-    if isinstance(result, bool) or not isinstance(result, (int, float)):
-        raise RewardError(f"scorer of data_source {data_source!r} returned {type(result).__name__} {result!r}; "
-                          f"expected a number or a dict with a 'score'")
-    return float(result), extra
-
-
 @register_reward_manager("naive")
 class NaiveRewardManager(RewardManager):
-    """Decode each response and score it with the scorer of its ``data_source``.
+    """Decode each response and score it with ``compute_score`` (:func:`default_compute_score` by default).
 
-    ``decode`` turns token ids into text (the tokenizer's ``decode``). ``policy_tokens_only`` decodes only the
-    tokens with ``response_mask == 1`` (tool observations removed); by default the whole response is decoded.
-    ``use_rollout_score`` takes ``RewardInput.reward_score`` when the rollout already produced one.
+    ``compute_score`` is called with keywords ``data_source, solution_str, ground_truth, extra_info``, as the
+    reference system calls it. ``decode`` turns token ids into text (the tokenizer's ``decode``).
+    ``policy_tokens_only`` decodes only the tokens with ``response_mask == 1`` (tool observations removed); by
+    default the whole response is decoded. ``use_rollout_score`` takes ``RewardInput.reward_score`` when the
+    rollout already produced one.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], *, policy_tokens_only: bool = False,
-                 use_rollout_score: bool = True) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], *, compute_score: Callable[..., Any] | None = None,
+                 policy_tokens_only: bool = False, use_rollout_score: bool = True) -> None:
         if not callable(decode):
             raise RewardError(f"reward manager needs a callable decode (tokenizer.decode), got {type(decode).__name__}")
+        if compute_score is not None and not callable(compute_score):
+            raise RewardError(f"compute_score must be callable, got {type(compute_score).__name__}")
         self.decode = decode
+        self.compute_score = compute_score or default_compute_score
         self.policy_tokens_only = policy_tokens_only
         self.use_rollout_score = use_rollout_score
 
@@ -240,37 +232,195 @@ class NaiveRewardManager(RewardManager):
         return self.decode(ids)
 
     def score_one(self, item: RewardInput) -> tuple[float, dict[str, Any]]:
+        """The score of one non-padding trajectory and its extra values."""
         if self.use_rollout_score and item.reward_score is not None:
             return _split_result(item.data_source, item.reward_score)
-        scorer = get_scorer(item.data_source)
-        return _split_result(item.data_source, scorer(self.text(item), item.ground_truth, item.extra_info))
+        result = self.compute_score(data_source=item.data_source, solution_str=self.text(item),
+                                    ground_truth=item.ground_truth, extra_info=item.extra_info)
+        return _split_result(item.data_source, result)
 
 
-@register_reward_manager("overlong")
-class OverlongRewardManager(NaiveRewardManager):
-    """Naive scores plus a soft over-length penalty on the policy length (``policy_len``; all tokens without mask).
+def _policy_len(item: RewardInput) -> int:
+    if item.response_mask is not None:
+        return sum(_ids("response_mask", item.response_mask))
+    return len(_ids("response_ids", item.response_ids))
 
-    With ``L = max_response_len`` and buffer ``B``: a response longer than ``L - B`` gets
-    ``-penalty_factor * min(1, (len - (L - B)) / B)`` added (extra value ``overlong_penalty``).
+
+@register_reward_manager("dapo")
+class DAPORewardManager(NaiveRewardManager):
+    """Naive scores plus DAPO's soft over-length penalty on the policy length (``response_mask.sum()``).
+
+    With ``L = max_response_len`` and buffer ``B = buffer_len``: a response of ``len > L - B`` policy tokens gets
+    ``-penalty_factor * min(1, (len - (L - B)) / B)`` added (extra values ``overlong_reward`` and ``overlong``).
+    ``buffer_len = 0`` turns the penalty off (plain naive scores, as with ``overlong_buffer.enable=false``).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], *, max_response_len: int, buffer_len: int,
+    def __init__(self, decode: Callable[[list[int]], str], *, max_response_len: int, buffer_len: int = 0,
                  penalty_factor: float = 1.0, **kwargs: Any) -> None:
         super().__init__(decode, **kwargs)
-        if not 0 < buffer_len <= max_response_len:
-            raise RewardError(f"reward.overlong: need 0 < buffer_len <= max_response_len, got buffer_len="
-                              f"{buffer_len}, max_response_len={max_response_len}")
+        if isinstance(max_response_len, bool) or not isinstance(max_response_len, int) or max_response_len < 1:
+            raise RewardError(f"data.max_response_length must be a positive int for the dapo reward manager, got "
+                              f"{max_response_len!r}")
+        if not 0 <= buffer_len <= max_response_len:
+            raise RewardError(f"reward.overlong_buffer.len must be in [0, data.max_response_length="
+                              f"{max_response_len}], got {buffer_len}")
         if penalty_factor < 0:
-            raise RewardError(f"reward.overlong.penalty_factor must be >= 0, got {penalty_factor}")
+            raise RewardError(f"reward.overlong_buffer.penalty_factor must be >= 0, got {penalty_factor}")
         self.max_response_len, self.buffer_len, self.penalty_factor = max_response_len, buffer_len, penalty_factor
+
+    def overlong_reward(self, policy_len: int) -> float:
+        """The penalty (<= 0) for a response of ``policy_len`` policy tokens."""
+        if self.buffer_len == 0:
+            return 0.0
+        excess = policy_len - (self.max_response_len - self.buffer_len)
+        return -self.penalty_factor * min(1.0, excess / self.buffer_len) if excess > 0 else 0.0
 
     def score_one(self, item: RewardInput) -> tuple[float, dict[str, Any]]:
         value, extra = super().score_one(item)
-        n = sum(_ids("response_mask", item.response_mask)) if item.response_mask is not None else \
-            len(_ids("response_ids", item.response_ids))
-        excess = n - (self.max_response_len - self.buffer_len)
-        penalty = -self.penalty_factor * min(1.0, excess / self.buffer_len) if excess > 0 else 0.0
-        return value + penalty, {**extra, "overlong_penalty": penalty}
+        if self.buffer_len == 0:
+            return value, extra
+        penalty = self.overlong_reward(_policy_len(item))
+        return value + penalty, {**extra, "overlong_reward": penalty, "overlong": penalty < 0}
+
+
+@register_reward_manager("batch")
+class BatchRewardManager(NaiveRewardManager):
+    """Decode every response, then score the whole batch in one ``compute_score`` call.
+
+    ``compute_score(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...])`` returns one
+    result (a number or a dict with ``"score"``) per trajectory, in order. Scores the rollout produced are used
+    as they are, and those trajectories are not passed.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], *, compute_score: Callable[..., Any] | None = None,
+                 **kwargs: Any) -> None:
+        if compute_score is None:
+            raise RewardError("reward.manager=batch needs a batch scoring function: set custom_reward_function.path "
+                              "and .name to a function taking data_sources, solution_strs, ground_truths, extra_infos")
+        super().__init__(decode, compute_score=compute_score, **kwargs)
+
+    def score_items(self, items: list[RewardInput]) -> list[tuple[float, dict[str, Any]]]:
+        out: list[tuple[float, dict[str, Any]] | None] = [None] * len(items)
+        todo = []
+        for i, item in enumerate(items):
+            if self.use_rollout_score and item.reward_score is not None:
+                out[i] = _split_result(item.data_source, item.reward_score)
+            else:
+                todo.append(i)
+        if todo:
+            results = self.compute_score(data_sources=[items[i].data_source for i in todo],
+                                         solution_strs=[self.text(items[i]) for i in todo],
+                                         ground_truths=[items[i].ground_truth for i in todo],
+                                         extra_infos=[items[i].extra_info for i in todo])
+            results = list(results)
+            if len(results) != len(todo):
+                raise RewardError(f"the batch compute_score returned {len(results)} results for {len(todo)} "
+                                  f"trajectories; expected one per trajectory")
+            for i, result in zip(todo, results):
+                out[i] = _split_result(items[i].data_source, result)
+        return out  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's over-length penalty (``reward.overlong_buffer``): ramps to ``-penalty_factor`` over the last ``len``
+    tokens before ``data.max_response_length``; used by ``reward.manager=dapo`` when ``enable``."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.len, bool) or not isinstance(self.len, int) or self.len < 0:
+            raise RewardError(f"reward.overlong_buffer.len must be an int >= 0, got {self.len!r}")
+        if self.enable and self.len == 0:
+            raise RewardError("reward.overlong_buffer.enable=true needs reward.overlong_buffer.len > 0")
+        if self.penalty_factor < 0:
+            raise RewardError(f"reward.overlong_buffer.penalty_factor must be >= 0, got {self.penalty_factor}")
+
+
+RewardManagerName = Literal["naive", "dapo", "batch"]
+
+
+@dataclass
+class RewardConfig:
+    """The ``reward`` section: which reward manager scores the rollouts, and its settings."""
+
+    manager: RewardManagerName = "naive"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    math_verify: bool = False  # MATH data sources by math-verify's equivalence instead of string normalisation
+
+    def __post_init__(self) -> None:
+        if self.manager not in known_reward_managers():
+            _MANAGERS.get(self.manager)  # raises, naming reward.manager and listing the known managers
+        if self.overlong_buffer.enable and self.manager != "dapo":
+            raise RewardError(f"reward.overlong_buffer.enable=true needs reward.manager=dapo, got "
+                              f"reward.manager={self.manager!r}")
+        if self.math_verify:
+            from protocol.algos.scorers.math_verify import available
+
+            if not available():
+                raise RewardError("reward.math_verify=true needs the math-verify package (pip install math-verify)")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """``custom_reward_function``: a Python file and the function in it that replaces the built-in scorers.
+
+    The function takes ``data_source, solution_str, ground_truth, extra_info`` (or, with ``reward.manager=batch``,
+    their plural lists) plus ``reward_kwargs``, and returns a float or a dict with ``"score"``.
+    """
+
+    path: str | None = None
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise RewardError(f"custom_reward_function.name must be a function name, got {self.name!r}")
+        if self.path == "":
+            self.path = None
+
+    def load(self, batch: bool = False) -> Callable[..., Any] | None:
+        """The user's function (None without a path); a missing file or function is an error naming the key."""
+        if self.path is None:
+            return None
+        return load_reward_function(self.path, self.name, batch=batch, kwargs=self.reward_kwargs)
+
+
+def build_reward_manager(reward: RewardConfig, custom: CustomRewardFunctionConfig,
+                         decode: Callable[[list[int]], str], max_response_len: int) -> RewardManager:
+    """The run's reward manager from its config: the user's function when given, else the built-in scorers."""
+    fn = custom.load(batch=reward.manager == "batch")
+    if fn is None and reward.math_verify:
+        def fn(data_source, solution_str, ground_truth, extra_info=None):
+            return default_compute_score(data_source, solution_str, ground_truth, extra_info, use_math_verify=True)
+    if reward.manager == "dapo":
+        buffer = reward.overlong_buffer
+        return DAPORewardManager(decode, compute_score=fn, max_response_len=max_response_len,
+                                 buffer_len=buffer.len if buffer.enable else 0,
+                                 penalty_factor=buffer.penalty_factor)
+    return make_reward_manager(reward.manager, decode=decode, compute_score=fn)
+
+
+def numeric_extras(result: RewardResult) -> dict[str, tuple[Tensor, Tensor]]:
+    """Per extra value that is numeric (bools count as 0/1): ``(values float64 [n], missing bool [n])``.
+
+    Other values (a prediction string) stay in ``result.extras`` only; they have no mean.
+    """
+    out = {}
+    n = result.scores.shape[0]
+    for name, values in result.extras.items():
+        nums = [v for v in values if v is not None]
+        if not nums or not all(isinstance(v, (bool, int, float)) for v in nums):
+            continue
+        missing = torch.tensor([v is None for v in values], dtype=torch.bool)
+        vals = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float64)
+        out[name] = (vals.reshape(n), missing.reshape(n))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- rm_scores placement

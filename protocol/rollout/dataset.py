@@ -1,15 +1,24 @@
 """Prompt datasets: read parquet / json / jsonl rows, filter over-long prompts, collate, and a resumable sampler.
 
-A row as :class:`RLHFDataset` returns it (no final tokenization: the rollout applies the chat template)::
+The reference system's row format is read as it is: the message list in the ``prompt`` column (``prompt_key``;
+a file without it may use ``raw_prompt``), ``data_source``, ``reward_model = {"style", "ground_truth"}``,
+``extra_info`` and any other column. A row as :class:`RLHFDataset` returns it (no final tokenization: the rollout
+applies the chat template)::
 
     {"raw_prompt": [{"role": "user", "content": "..."}, ...],   # the message list
-     "data_source": "arith",                                    # routes the reward
+     "data_source": "openai/gsm8k",                             # routes the reward
+     "reward_model": {"style": "rule", "ground_truth": "7"},   # as in the file
      "extra_info": {"index": 7, "tools_kwargs": {}, "interaction_kwargs": {}, ...the file's extra_info...},
      "multi_modal_data": {...},                                 # only when the file has images / videos
-     ...every other column as it is (e.g. reward_model)}
+     ...every other column as it is (e.g. ability)}
+
+Every row is checked at load time, before any step: the prompt column's shape and, given ``needs_ground_truth``
+(the reward's view of each ``data_source``), that the data source has a scorer and a ground truth where the scorer
+needs one. Errors name the file, the row and the column.
 
 File formats: ``.parquet``; ``.json`` holding a list of row objects; ``.jsonl`` with one row object per line
-(blank lines skipped). Several files (mixed formats too) are read in the order given.
+(blank lines skipped), both UTF-8; a folder written by Hugging Face ``datasets``' ``save_to_disk`` (needs the
+``datasets`` package). Several files (mixed formats too) are read in the order given.
 """
 from __future__ import annotations
 
@@ -23,21 +32,35 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-__all__ = ["DatasetError", "RLHFDataset", "read_rows", "collate_rows", "PromptSampler", "PromptLoader"]
+__all__ = ["DatasetError", "RLHFDataset", "read_rows", "ground_truth_of", "collate_rows", "PromptSampler",
+           "PromptLoader"]
 
 logger = logging.getLogger(__name__)
 
 _MM_COLUMNS = {"images": "image", "videos": "video", "audios": "audio"}
+_FALLBACK_PROMPT_KEY = "raw_prompt"  # this project's earlier column name, read when the prompt_key column is absent
 
 
 class DatasetError(ValueError):
     """A data file or row that cannot be used; the message names the file and the row."""
 
 
-def _read_json(path: str) -> list[tuple[str, Any]]:
+def _utf8(path: str, raw: bytes, first_line: int = 1) -> str:
+    """``raw`` decoded as UTF-8; a bad byte is an error naming the file, line and byte."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = first_line + raw.count(b"\n", 0, exc.start)
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DatasetError(f"{path}: line {line} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {col}); "
+                           f"json / jsonl data files must be UTF-8 encoded") from None
+
+
+def _read_json(path: str) -> list[tuple[str, Any]]:
+    with open(path, "rb") as f:
+        text = _utf8(path, f.read())
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); a .json "
                            f"data file must hold a list of row objects (use .jsonl for one row per line)") from None
@@ -48,8 +71,9 @@ def _read_json(path: str) -> list[tuple[str, Any]]:
 
 def _read_jsonl(path: str) -> list[tuple[str, Any]]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8(path, raw, lineno)
             if not line.strip():
                 continue
             try:
@@ -70,6 +94,27 @@ def _read_parquet(path: str) -> list[tuple[str, Any]]:
     return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
+def _is_hf_folder(path: str) -> bool:
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "dataset_info.json"))
+                                    or os.path.isfile(os.path.join(path, "state.json")))
+
+
+def _read_hf_folder(path: str) -> list[tuple[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"{path}: a Hugging Face datasets folder (save_to_disk) needs the 'datasets' package; "
+                           f"install it or convert the folder to parquet") from None
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as exc:  # datasets raises several types for unreadable folders
+        raise DatasetError(f"{path}: cannot read as a datasets folder: {type(exc).__name__}: {exc}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise DatasetError(f"{path}: holds a DatasetDict with splits {sorted(ds)}; give the folder of one split "
+                           f"(e.g. {path}/{sorted(ds)[0]})")
+    return [(f"row {i}", row) for i, row in enumerate(ds)]
+
+
 _READERS: dict[str, Callable[[str], list[tuple[str, Any]]]] = {
     ".parquet": _read_parquet, ".json": _read_json, ".jsonl": _read_jsonl,
 }
@@ -84,13 +129,23 @@ def read_rows(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[tu
         raise DatasetError("no data files given (data.train_files / data.val_files is empty)")
     out = []
     for path in files:
+        if _is_hf_folder(path):
+            out.extend((path, pos, row) for pos, row in _read_hf_folder(path))
+            continue
         ext = os.path.splitext(path)[1].lower()
         if ext not in _READERS:
-            raise DatasetError(f"{path}: unsupported data file extension {ext!r}; expected one of {sorted(_READERS)}")
+            raise DatasetError(f"{path}: unsupported data file extension {ext!r}; expected one of {sorted(_READERS)} "
+                               f"or a datasets save_to_disk folder")
         if not os.path.isfile(path):
             raise DatasetError(f"{path}: data file not found")
         out.extend((path, pos, row) for pos, row in _READERS[ext](path))
     return out
+
+
+def ground_truth_of(row: Mapping[str, Any]) -> Any:
+    """``row["reward_model"]["ground_truth"]``, where the reference system's rows keep it; None when absent."""
+    rm = row.get("reward_model")
+    return rm.get("ground_truth") if isinstance(rm, Mapping) else None
 
 
 def _check_messages(messages: Any, where: str, prompt_key: str) -> list[dict]:
@@ -124,15 +179,20 @@ class RLHFDataset:
         files: one path or a list (formats may be mixed).
         tokenizer: anything with ``apply_chat_template`` (see :mod:`protocol.rollout.tokenizer`).
         max_prompt_length: the longest prompt kept, in tokens.
-        prompt_key: the column holding the message list (returned as ``raw_prompt``).
+        prompt_key: the column holding the message list (returned as ``raw_prompt``); a file without that
+            column may hold it as ``raw_prompt``.
         filter_overlong_prompts: when False, an over-long prompt is an error instead of being filtered.
         default_data_source: used for rows without ``data_source`` (None: such a row is an error).
         max_samples: keep only the first ``max_samples`` rows after filtering (None: all).
+        needs_ground_truth: ``data_source -> bool`` (the reward's view: whether its scorer needs a ground truth;
+            raises ValueError / KeyError for a data source without a scorer). None: data sources are not checked
+            (a custom reward function scores every row).
     """
 
     def __init__(self, files: str | Sequence[str], tokenizer: Any, max_prompt_length: int,
-                 prompt_key: str = "raw_prompt", filter_overlong_prompts: bool = True,
-                 default_data_source: str | None = None, max_samples: int | None = None) -> None:
+                 prompt_key: str = "prompt", filter_overlong_prompts: bool = True,
+                 default_data_source: str | None = None, max_samples: int | None = None,
+                 needs_ground_truth: Callable[[str], bool] | None = None) -> None:
         if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1:
             raise DatasetError(f"data.max_prompt_length must be a positive int, got {max_prompt_length!r}")
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
@@ -142,17 +202,21 @@ class RLHFDataset:
             raise TypeError(f"RLHFDataset needs a tokenizer with apply_chat_template, got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
+        if not isinstance(prompt_key, str) or not prompt_key:
+            raise DatasetError(f"data.prompt_key must name a column, got {prompt_key!r}")
         self.prompt_key = prompt_key
+        self.needs_ground_truth = needs_ground_truth
+        self._needs: dict[str, bool] = {}
         self.rows: list[dict] = []
         self.prompt_lengths: list[int] = []
         self.filtered: list[tuple[str, str, int]] = []
         for global_index, (path, pos, raw) in enumerate(read_rows(files)):
             where = f"{path}: {pos}"
-            row = self._normalize(raw, where, global_index, default_data_source)
+            row, column = self._normalize(raw, where, global_index, default_data_source)
             try:
                 length = len(tokenizer.apply_chat_template(row["raw_prompt"], add_generation_prompt=True))
             except (ValueError, TypeError, KeyError) as exc:
-                raise DatasetError(f"{where}: the chat template rejects {prompt_key!r}: {exc}") from None
+                raise DatasetError(f"{where}: the chat template rejects column {column!r}: {exc}") from None
             if length > max_prompt_length:
                 if not filter_overlong_prompts:
                     raise DatasetError(f"{where}: prompt has {length} tokens > data.max_prompt_length="
@@ -175,24 +239,31 @@ class RLHFDataset:
         """How many rows were dropped as longer than ``max_prompt_length``."""
         return len(self.filtered)
 
-    def _normalize(self, raw: Any, where: str, global_index: int, default_data_source: str | None) -> dict:
+    def _normalize(self, raw: Any, where: str, global_index: int,
+                   default_data_source: str | None) -> tuple[dict, str]:
+        """The row as returned by ``__getitem__``, and the column its messages came from."""
         if not isinstance(raw, Mapping):
             raise DatasetError(f"{where}: a row must be an object/dict, got {type(raw).__name__}")
-        if self.prompt_key not in raw:
-            raise DatasetError(f"{where}: missing the prompt column {self.prompt_key!r} (columns: {sorted(raw)})")
-        row = {k: v for k, v in raw.items() if k != self.prompt_key}
-        row["raw_prompt"] = _check_messages(raw[self.prompt_key], where, self.prompt_key)
+        column = self.prompt_key
+        if column not in raw and _FALLBACK_PROMPT_KEY in raw:
+            column = _FALLBACK_PROMPT_KEY
+        if column not in raw:
+            raise DatasetError(f"{where}: missing the prompt column {self.prompt_key!r} (columns: {sorted(raw)}); "
+                               f"set data.prompt_key to the column holding the message list")
+        row = {k: v for k, v in raw.items() if k != column}
+        row["raw_prompt"] = _check_messages(raw[column], where, column)
         source = raw.get("data_source", default_data_source)
         if not isinstance(source, str) or not source:
-            raise DatasetError(f"{where}: 'data_source' must be a non-empty string, got {source!r}"
+            raise DatasetError(f"{where}: column 'data_source' must be a non-empty string, got {source!r}"
                                + ("" if "data_source" in raw else " (set a default_data_source to allow rows "
                                   "without one)"))
         row["data_source"] = source
+        self._check_reward_columns(raw, source, where)
         extra = raw.get("extra_info")
         if extra is None:
             extra = {}
         if not isinstance(extra, Mapping):
-            raise DatasetError(f"{where}: 'extra_info' must be an object/dict, got {type(extra).__name__}")
+            raise DatasetError(f"{where}: column 'extra_info' must be an object/dict, got {type(extra).__name__}")
         extra = dict(extra)
         extra.setdefault("index", global_index)
         for name in ("tools_kwargs", "interaction_kwargs"):
@@ -203,12 +274,30 @@ class RLHFDataset:
                 raise DatasetError(f"{where}: extra_info.{name} must be an object/dict, got {type(value).__name__}")
         row["extra_info"] = extra
         mm = dict(raw.get("multi_modal_data") or {})
-        for column, kind in _MM_COLUMNS.items():
-            if raw.get(column) is not None:
-                mm[kind] = row.pop(column)
+        for mm_column, kind in _MM_COLUMNS.items():
+            if raw.get(mm_column) is not None:
+                mm[kind] = row.pop(mm_column)
         if mm:
             row["multi_modal_data"] = mm
-        return row
+        return row, column
+
+    def _check_reward_columns(self, raw: Mapping[str, Any], source: str, where: str) -> None:
+        """A scorer for ``data_source`` and, where it compares against one, ``reward_model.ground_truth``."""
+        rm = raw.get("reward_model")
+        if rm is not None and not isinstance(rm, Mapping):
+            raise DatasetError(f"{where}: column 'reward_model' must be an object/dict "
+                               f"({{'style': 'rule', 'ground_truth': ...}}), got {type(rm).__name__} {rm!r:.60}")
+        if self.needs_ground_truth is None:
+            return
+        if source not in self._needs:
+            try:
+                self._needs[source] = bool(self.needs_ground_truth(source))
+            except (ValueError, KeyError) as exc:
+                raise DatasetError(f"{where}: column 'data_source': {exc}") from None
+        if self._needs[source] and ground_truth_of(raw) is None:
+            found = "no column 'reward_model'" if rm is None else f"reward_model={dict(rm)!r:.80}"
+            raise DatasetError(f"{where}: column 'reward_model.ground_truth' is missing ({found}); the scorer of "
+                               f"data_source {source!r} compares the response against it")
 
     def __len__(self) -> int:
         return len(self.rows)

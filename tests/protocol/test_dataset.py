@@ -1,4 +1,5 @@
-"""RLHFDataset (parquet / json / jsonl), collate_rows, and the resumable PromptSampler / PromptLoader."""
+"""RLHFDataset (the reference system's parquet rows, json / jsonl, datasets folders; load-time row checks),
+collate_rows, and the resumable PromptSampler / PromptLoader."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from protocol.rollout.dataset import DatasetError, PromptLoader, PromptSampler, RLHFDataset, collate_rows, read_rows
+from protocol.algos.reward import default_compute_score, needs_ground_truth
+from protocol.rollout.dataset import (DatasetError, PromptLoader, PromptSampler, RLHFDataset, collate_rows,
+                                      ground_truth_of, read_rows)
 from protocol.rollout.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -80,16 +83,19 @@ def test_options(files, tmp_path):
 
 
 @pytest.mark.parametrize("row, fragment", [
-    ({"data_source": "x"}, "missing the prompt column 'raw_prompt'"),
+    ({"data_source": "x"}, "missing the prompt column 'prompt'.*set data.prompt_key"),
     ({"raw_prompt": "hello", "data_source": "x"}, "non-empty list of messages"),
     ({"raw_prompt": [], "data_source": "x"}, "non-empty list"),
     ({"raw_prompt": ["hi"], "data_source": "x"}, r"raw_prompt\[0\] must be a message dict"),
     ({"raw_prompt": [{"content": "hi"}], "data_source": "x"}, "string 'role'"),
     ({"raw_prompt": [{"role": "user", "content": 3}], "data_source": "x"}, "'content'"),
-    ({"raw_prompt": [{"role": "bot", "content": "hi"}], "data_source": "x"}, "chat template rejects"),
+    ({"raw_prompt": [{"role": "bot", "content": "hi"}], "data_source": "x"}, "chat template rejects column 'raw_prompt'"),
     ({"raw_prompt": [{"role": "user", "content": "hi"}]}, "data_source.*default_data_source"),
     ({"raw_prompt": [{"role": "user", "content": "hi"}], "data_source": 5}, "data_source"),
-    ({"raw_prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "extra_info": [1]}, "extra_info"),
+    ({"raw_prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "extra_info": [1]},
+     "column 'extra_info'"),
+    ({"raw_prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "reward_model": "7"},
+     "column 'reward_model' must be an object"),
     ({"raw_prompt": [{"role": "user", "content": "hi"}], "data_source": "x",
       "extra_info": {"tools_kwargs": "calc"}}, "tools_kwargs"),
     ([1, 2], "must be an object"),
@@ -212,3 +218,110 @@ def test_loader_resume(files):
     batch = PromptLoader(ds, 4, seed=7).next_batch()
     assert batch["raw_prompt"].dtype == object and batch["raw_prompt"].shape == (4,)
     assert list(PromptLoader(ds, 5, shuffle=False, drop_last=False))[-1]["extra_info"][-1]["index"] == 14
+
+
+# ------------------------------------------------------------------------------------- the reference system's format
+
+def _gsm8k_rows(n: int, split: str = "train") -> list[dict]:
+    """Rows exactly as the reference system's GSM8K preprocessing writes them."""
+    return [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": f"What is {i} + 1? Answer after ####."}],
+             "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+             "extra_info": {"split": split, "index": i, "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}",
+                            "question": f"What is {i} + 1?"}} for i in range(n)]
+
+
+def test_reads_the_reference_gsm8k_parquet(tmp_path):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_gsm8k_rows(5)), path)
+    ds = RLHFDataset(str(path), TOK, 100, needs_ground_truth=needs_ground_truth)
+    row = ds[3]
+    assert row["raw_prompt"] == [{"role": "user", "content": "What is 3 + 1? Answer after ####."}]
+    assert "prompt" not in row
+    assert row["data_source"] == "openai/gsm8k" and row["ability"] == "math"
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "4"} and ground_truth_of(row) == "4"
+    assert row["extra_info"] == {"split": "train", "index": 3, "answer": "3 + 1 = 4\n#### 4",
+                                 "question": "What is 3 + 1?", "tools_kwargs": {}, "interaction_kwargs": {}}
+    # the scorer receives what the file holds
+    assert default_compute_score(row["data_source"], "#### 4", ground_truth_of(row), row["extra_info"]) == 1.0
+    # another column name for the messages
+    renamed = [{("question_msgs" if k == "prompt" else k): v for k, v in r.items()} for r in _gsm8k_rows(3)]
+    p2 = tmp_path / "renamed.jsonl"
+    p2.write_text("\n".join(json.dumps(r) for r in renamed))
+    assert RLHFDataset(str(p2), TOK, 100, prompt_key="question_msgs")[1]["raw_prompt"][0]["content"].startswith(
+        "What is 1")
+    with pytest.raises(DatasetError, match="renamed.jsonl: line 1: missing the prompt column 'prompt'"):
+        RLHFDataset(str(p2), TOK, 100)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda r: r.update(data_source="openai/gsm8k_typo"),
+     r"column 'data_source': no scorer for data_source 'openai/gsm8k_typo'; known data sources: \[.*'openai/gsm8k'"),
+    (lambda r: r.pop("reward_model"),
+     r"column 'reward_model.ground_truth' is missing \(no column 'reward_model'\); the scorer of data_source "
+     r"'openai/gsm8k'"),
+    (lambda r: r["reward_model"].pop("ground_truth"), r"'reward_model.ground_truth' is missing \(reward_model="),
+    (lambda r: r["reward_model"].update(ground_truth=None), "'reward_model.ground_truth' is missing"),
+    (lambda r: r.update(prompt="just a string"), "'prompt' must be a non-empty list of messages"),
+])
+def test_every_row_is_checked_at_load_naming_file_row_and_column(tmp_path, change, fragment):
+    rows = _gsm8k_rows(40)
+    change(rows[37])
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DatasetError, match=fragment) as exc:
+        RLHFDataset(str(jsonl), TOK, 100, needs_ground_truth=needs_ground_truth)
+    assert f"{jsonl}: line 38:" in str(exc.value)
+    try:
+        table = pa.Table.from_pylist(rows)
+    except pa.ArrowInvalid:  # a column parquet cannot hold with mixed types (a string among message lists)
+        return
+    path = tmp_path / "train.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(DatasetError, match=fragment) as exc:
+        RLHFDataset(str(path), TOK, 100, needs_ground_truth=needs_ground_truth)
+    assert f"{path}: row 37:" in str(exc.value)
+
+
+def test_rows_are_not_checked_without_a_reward_view(tmp_path):
+    rows = _gsm8k_rows(3)
+    rows[1]["data_source"] = "my/own_source"
+    del rows[2]["reward_model"]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert len(RLHFDataset(str(path), TOK, 100)) == 3  # a custom reward function decides what it can score
+
+
+def test_non_utf8_json_names_file_and_line(tmp_path):
+    good = json.dumps(_gsm8k_rows(1)[0]).encode()
+    bad = good.replace(b"What", b"Wh\xe4t")
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(good + b"\n" + good + b"\n\n" + bad + b"\n")
+    with pytest.raises(DatasetError, match=r"latin1.jsonl: line 4 is not valid UTF-8 \(byte 0xe4 at column \d+\)"):
+        read_rows(str(p))
+    q = tmp_path / "latin1.json"
+    q.write_bytes(b"[\n" + good + b",\n" + bad + b"\n]")
+    with pytest.raises(DatasetError, match=r"latin1.json: line 3 is not valid UTF-8 \(byte 0xe4"):
+        read_rows(str(q))
+
+
+def test_hf_datasets_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "gsm8k_train"
+    datasets.Dataset.from_list(_gsm8k_rows(4)).save_to_disk(str(folder))
+    ds = RLHFDataset(str(folder), TOK, 100, needs_ground_truth=needs_ground_truth)
+    assert len(ds) == 4 and ground_truth_of(ds[2]) == "3"
+
+
+def test_hf_datasets_folder_without_the_package(tmp_path):
+    try:
+        import datasets  # noqa: F401
+        pytest.skip("datasets is installed")
+    except ImportError:
+        pass
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    (folder / "state.json").write_text("{}")
+    with pytest.raises(DatasetError, match="saved: a Hugging Face datasets folder .* needs the 'datasets' package"):
+        read_rows(str(folder))

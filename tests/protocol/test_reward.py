@@ -1,4 +1,4 @@
-"""Reward: scorer / manager registries, built-in scorers, and rm_scores placement at the last policy token."""
+"""Reward: managers (naive, dapo, batch), custom reward functions, finite scores, config, rm_scores placement."""
 from __future__ import annotations
 
 import math
@@ -8,9 +8,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import protocol.algos.reward as reward_module
-from protocol.algos.reward import (NaiveRewardManager, OverlongRewardManager, RewardError, RewardInput, compute_rm_scores,
-                             exact_match_score, get_scorer, gsm8k_score, known_reward_managers, known_scorers,
-                             last_policy_index, make_reward_manager, register_reward_manager, register_scorer)
+import protocol.algos.scorers.registry as scorer_registry
+from protocol.algos.reward import (BatchRewardManager, CustomRewardFunctionConfig, DAPORewardManager,
+                                   NaiveRewardManager, OverlongBufferConfig, RewardConfig, RewardError, RewardInput,
+                                   RewardResult, build_reward_manager, compute_rm_scores, exact_match_score,
+                                   get_scorer, known_reward_managers, known_scorers, last_policy_index,
+                                   load_reward_function, make_reward_manager, numeric_extras,
+                                   register_reward_manager, register_scorer)
 from protocol.rollout.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -70,15 +74,11 @@ def test_rm_scores_examples_and_errors():
         last_policy_index(torch.ones(3))
 
 
-def test_builtin_scorers():
-    assert gsm8k_score("so the answer is #### 1,234.", "1234") == 1.0
-    assert gsm8k_score("#### 5 then #### 6", "6") == 1.0
-    assert gsm8k_score("#### 5 then #### 6", "5") == 0.0
-    assert gsm8k_score("no answer", "5") == 0.0
+def test_builtin_scorer_registry():
     assert exact_match_score(" abc\n", "abc") == 1.0
     assert exact_match_score("abd", "abc") == 0.0
     # tasks registered in protocol.rollout.tasks are scorers too
-    assert {"gsm8k", "exact_match", "copy", "reverse"} <= set(known_scorers())
+    assert {"openai/gsm8k", "exact_match", "copy", "reverse"} <= set(known_scorers())
     assert get_scorer("exact_match") is exact_match_score
     with pytest.raises(RewardError, match="known data sources"):
         get_scorer("no_such_source")
@@ -112,7 +112,7 @@ def test_naive_manager_scores_by_data_source_and_keeps_order():
         with pytest.raises(RewardError, match="no_such_source"):
             mgr([RewardInput([8], "no_such_source")])
     finally:
-        reward_module._SCORERS.unregister("test_len")
+        scorer_registry._SCORERS.unregister("test_len")
 
 
 def test_scorer_result_errors():
@@ -133,24 +133,43 @@ def test_scorer_result_errors():
         with pytest.raises(RewardError, match="RewardInput"):
             mgr([("not", "an input")])
     finally:
-        reward_module._SCORERS.unregister("test_bad")
+        scorer_registry._SCORERS.unregister("test_bad")
 
 
-def test_overlong_manager_penalty():
-    mgr = make_reward_manager("overlong", decode=TOK.decode, max_response_len=10, buffer_len=4, penalty_factor=1.0)
+def test_dapo_manager_overlong_penalty():
+    mgr = make_reward_manager("dapo", decode=TOK.decode, max_response_len=10, buffer_len=4, penalty_factor=1.0)
     items = [RewardInput(TOK.encode("a" * k), "exact_match", "a" * k) for k in (6, 8, 10, 12)]
     res = mgr(items)
+    # -min(1, (len - (L - B)) / B) for len > L - B = 6
     assert res.scores.tolist() == pytest.approx([1.0, 0.5, 0.0, 0.0])
-    assert res.extras["overlong_penalty"] == pytest.approx([0.0, -0.5, -1.0, -1.0])
+    assert res.extras["overlong_reward"] == pytest.approx([0.0, -0.5, -1.0, -1.0])
+    assert res.extras["overlong"] == [False, True, True, True]
     # the policy length (mask sum) is what counts
     masked = RewardInput(TOK.encode("a" * 10), "exact_match", "a" * 10, response_mask=[1] * 6 + [0] * 4)
     assert mgr([masked]).scores.tolist() == [1.0]
-    with pytest.raises(RewardError, match="buffer_len"):
-        OverlongRewardManager(TOK.decode, max_response_len=4, buffer_len=8)
+    # no buffer: the naive scores, no extra values
+    plain = DAPORewardManager(TOK.decode, max_response_len=10)
+    assert plain(items).scores.tolist() == [1.0] * 4 and plain(items).extras == {}
+    with pytest.raises(RewardError, match="overlong_buffer.len"):
+        DAPORewardManager(TOK.decode, max_response_len=4, buffer_len=8)
+    with pytest.raises(RewardError, match="penalty_factor"):
+        DAPORewardManager(TOK.decode, max_response_len=4, buffer_len=2, penalty_factor=-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 40), data=st.data())
+def test_dapo_penalty_formula(L, data):
+    B = data.draw(st.integers(1, L))
+    factor = data.draw(st.floats(0, 4))
+    n = data.draw(st.integers(0, L))
+    mgr = DAPORewardManager(TOK.decode, max_response_len=L, buffer_len=B, penalty_factor=factor)
+    expected = min(-(n - (L - B)) / B * factor, 0.0)  # the reference system's form, for len <= L
+    assert mgr.overlong_reward(n) == pytest.approx(expected, abs=1e-12)
+    assert -factor - 1e-12 <= mgr.overlong_reward(n) <= 0.0
 
 
 def test_manager_registry():
-    assert {"naive", "overlong"} <= set(known_reward_managers())
+    assert known_reward_managers() == ["batch", "dapo", "naive"]
     with pytest.raises(RewardError, match="known"):
         make_reward_manager("prm", decode=TOK.decode)
     with pytest.raises(RewardError, match="decode"):
@@ -165,3 +184,114 @@ def test_manager_registry():
         assert make_reward_manager("test_const")([RewardInput([], "x")]).scores.tolist() == [7.0]
     finally:
         reward_module._MANAGERS.unregister("test_const")
+
+
+def test_non_finite_scores_are_refused_after_the_float32_cast():
+    @register_scorer("test_value")
+    def value(text, ground_truth, extra_info=None):
+        return ground_truth
+
+    try:
+        mgr = NaiveRewardManager(TOK.decode)
+        assert mgr([RewardInput([8], "test_value", 3e38)]).scores.tolist() == [pytest.approx(3e38, rel=1e-6)]
+        for bad in (1e39, -1e39, math.inf, math.nan, 10 ** 400):
+            with pytest.raises(RewardError, match=r"trajectory uid7_0_0 \(data_source 'test_value'\).*finite"):
+                mgr([RewardInput([8], "test_value", 1.0, key="uid7_0_0"), RewardInput([8], "test_value", bad,
+                                                                                     key="uid7_0_0")])
+        # a score the rollout produced is held to the same rule
+        with pytest.raises(RewardError, match="uid3_1_0.*finite"):
+            mgr([RewardInput([8], "exact_match", "x", reward_score=1e39, key="uid3_1_0")])
+    finally:
+        scorer_registry._SCORERS.unregister("test_value")
+
+
+def _write(tmp_path, text, name="my_reward.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+CUSTOM = """
+def float_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth) + extra_info.get("bonus", 0.0)
+
+def dict_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
+    right = solution_str == ground_truth
+    return {"score": scale * right, "acc": right, "length": len(solution_str), "pred": solution_str}
+
+def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
+    return [{"score": float(s == g), "n": len(solution_strs)} for s, g in zip(solution_strs, ground_truths)]
+
+def wrong_signature(text, truth):
+    return 1.0
+
+NOT_A_FUNCTION = 3
+"""
+
+
+def test_custom_reward_function_float_and_dict(tmp_path):
+    path = _write(tmp_path, CUSTOM)
+    items = [RewardInput(TOK.encode("ab"), "anything/at_all", "ab", extra_info={"bonus": 0.5}),
+             RewardInput(TOK.encode("ax"), "anything/at_all", "ab", extra_info={"bonus": 0.0}),
+             RewardInput([], "pad", is_padding=True)]
+    fn = CustomRewardFunctionConfig(path=path, name="float_score").load()
+    res = NaiveRewardManager(TOK.decode, compute_score=fn)(items)
+    assert res.scores.tolist() == [1.5, 0.0, 0.0] and res.extras == {}
+    cfg = CustomRewardFunctionConfig(path=path, name="dict_score", reward_kwargs={"scale": 2.0})
+    res = build_reward_manager(RewardConfig(), cfg, TOK.decode, max_response_len=8)(items)
+    assert res.scores.tolist() == [2.0, 0.0, 0.0]
+    assert res.extras == {"acc": [True, False, None], "length": [2, 2, None], "pred": ["ab", "ax", None]}
+    nums = numeric_extras(res)
+    assert sorted(nums) == ["acc", "length"]  # a prediction string has no mean
+    assert nums["acc"][0].tolist() == [1.0, 0.0, 0.0] and nums["acc"][1].tolist() == [False, False, True]
+
+
+def test_batch_manager(tmp_path):
+    path = _write(tmp_path, CUSTOM)
+    cfg = CustomRewardFunctionConfig(path=path, name="batch_score")
+    mgr = build_reward_manager(RewardConfig(manager="batch"), cfg, TOK.decode, max_response_len=8)
+    assert isinstance(mgr, BatchRewardManager)
+    items = [RewardInput(TOK.encode("ab"), "s", "ab"), RewardInput([], "s", is_padding=True),
+             RewardInput(TOK.encode("b"), "s", "ab"), RewardInput(TOK.encode("q"), "s", "q", reward_score=0.25)]
+    res = mgr(items)
+    assert res.scores.tolist() == [1.0, 0.0, 0.0, 0.25]
+    assert res.extras == {"n": [2, None, 2, None]}  # one call over the two trajectories left to score
+    with pytest.raises(RewardError, match="batch scoring function"):
+        make_reward_manager("batch", decode=TOK.decode)
+    short = BatchRewardManager(TOK.decode, compute_score=lambda **kw: [1.0])
+    with pytest.raises(RewardError, match="returned 1 results for 2"):
+        short(items[:3])
+
+
+def test_custom_reward_function_errors(tmp_path):
+    path = _write(tmp_path, CUSTOM)
+    with pytest.raises(RewardError, match="custom_reward_function.path='/no/such.py': no such file"):
+        load_reward_function("/no/such.py", "f")
+    with pytest.raises(RewardError, match=r"custom_reward_function.name='missing'.*batch_score"):
+        load_reward_function(path, "missing")
+    with pytest.raises(RewardError, match="not a function"):
+        load_reward_function(path, "NOT_A_FUNCTION")
+    with pytest.raises(RewardError, match=r"does not take \['data_source', 'solution_str'"):
+        load_reward_function(path, "wrong_signature")
+    with pytest.raises(RewardError, match="plural names"):
+        load_reward_function(path, "float_score", batch=True)
+    broken = _write(tmp_path, "raise RuntimeError('boom')\n", "broken.py")
+    with pytest.raises(RewardError, match="importing it failed: RuntimeError: boom"):
+        load_reward_function(broken, "f")
+    assert CustomRewardFunctionConfig().load() is None
+
+
+def test_reward_config_errors():
+    with pytest.raises(RewardError, match=r"reward.manager='prime' is not a known reward manager; known: "
+                                          r"\['batch', 'dapo', 'naive'\]"):
+        RewardConfig(manager="prime")
+    with pytest.raises(RewardError, match="overlong_buffer.len > 0"):
+        OverlongBufferConfig(enable=True)
+    with pytest.raises(RewardError, match="needs reward.manager=dapo"):
+        RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=4))
+    with pytest.raises(RewardError, match="custom_reward_function.name"):
+        CustomRewardFunctionConfig(path="x.py", name="")
+    mgr = build_reward_manager(RewardConfig(manager="dapo", overlong_buffer=OverlongBufferConfig(True, 2, 0.5)),
+                               CustomRewardFunctionConfig(), TOK.decode, max_response_len=4)
+    assert (mgr.max_response_len, mgr.buffer_len, mgr.penalty_factor) == (4, 2, 0.5)
+    assert isinstance(RewardResult(torch.zeros(0)).extras, dict)

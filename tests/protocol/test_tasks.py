@@ -1,4 +1,4 @@
-"""Learnable tasks: seeded generation, the rule-based scorer, and the parquet rows."""
+"""Learnable tasks: seeded generation, the rule-based scorer, and the parquet rows (the reference system's format)."""
 from __future__ import annotations
 
 import random
@@ -7,8 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from protocol.algos.reward import default_compute_score
+from protocol.rollout.dataset import RLHFDataset
 from protocol.rollout.tasks import (
-    CopyTask, RepeatTask, ReverseTask, TaskError, char_match_score, get_task, known_tasks, make_rows,
+    ArithmeticTask, CopyTask, RepeatTask, ReverseTask, TaskError, char_match_score, get_task, known_tasks, make_rows,
     normalize_response, register_task, score, warmup_token_pairs, write_task_data,
 )
 from protocol.rollout.tasks.strings import length_match_score, string_score
@@ -123,9 +125,9 @@ def test_rows_are_seeded_and_splits_independent():
     assert a != make_rows("copy", 30, seed=4)
     assert make_rows("copy", 10, 3, "val") == make_rows("copy", 20, 3, "val")[:10]
     row = a[0]
-    assert set(row) == {"raw_prompt", "data_source", "extra_info", "reward_model"}
+    assert set(row) == {"prompt", "data_source", "extra_info", "reward_model"}
     assert row["data_source"] == "copy"
-    assert row["raw_prompt"] == [{"role": "user", "content": f"copy: {row['extra_info']['word']}"}]
+    assert row["prompt"] == [{"role": "user", "content": f"copy: {row['extra_info']['word']}"}]
     assert row["extra_info"]["index"] == 0 and row["extra_info"]["split"] == "train"
     assert row["extra_info"]["length_weight"] == 0.5
     assert row["extra_info"]["ground_truth"] == row["reward_model"]["ground_truth"]
@@ -140,7 +142,7 @@ def test_every_answer_scores_one_and_fits_the_tokenizer():
         for row in make_rows(name, 50, seed=1):
             gt = row["reward_model"]["ground_truth"]
             assert score(name, gt, gt, row["extra_info"]) == 1.0
-            ids = tok.apply_chat_template(row["raw_prompt"], add_generation_prompt=True)
+            ids = tok.apply_chat_template(row["prompt"], add_generation_prompt=True)
             assert tok.unk_token_id not in ids
             assert tok.decode(tok.encode(gt)) == gt
 
@@ -173,3 +175,54 @@ def test_write_task_data_parquet(tmp_path):
     assert all(r["extra_info"]["split"] == "val" for r in val)
     with pytest.raises(TaskError, match="--val must be >= 1"):
         write_task_data(tmp_path / "x", "copy", train=2, val=0)
+
+
+# ------------------------------------------------------------------------------------------------ arithmetic
+
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+
+def test_arithmetic_rows_are_the_reference_gsm8k_format():
+    rows = make_rows("arithmetic", 200, seed=0)
+    assert rows == make_rows("arithmetic", 200, seed=0) and rows != make_rows("arithmetic", 200, seed=1)
+    tok = CharTokenizer()
+    for i, row in enumerate(rows):
+        assert list(row) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+        assert row["data_source"] == "openai/gsm8k" and row["ability"] == "math"
+        extra = row["extra_info"]
+        assert set(extra) == {"split", "index", "answer", "question"} and extra["index"] == i
+        assert row["prompt"] == [{"role": "user", "content": f"{extra['question']} {INSTRUCTION}"}]
+        truth = row["reward_model"]["ground_truth"]
+        assert row["reward_model"]["style"] == "rule" and truth.isdigit()
+        # the worked solution ends in "#### <answer>" and its steps compute the answer
+        *steps, last = extra["answer"].split("\n")
+        assert last == f"#### {truth}"
+        for step in steps:
+            lhs, rhs = step.split(" = ")
+            assert eval(lhs.replace("/", "//")) == int(rhs)  # noqa: S307 (generated integer arithmetic)
+        assert steps[-1].endswith(f"= {truth}")
+        # the strict GSM8K scorer marks the solution right and near misses wrong
+        assert default_compute_score("openai/gsm8k", extra["answer"], truth, extra) == 1.0
+        assert default_compute_score("openai/gsm8k", f"#### {int(truth) + 1}", truth) == 0.0
+        assert default_compute_score("openai/gsm8k", f"####{truth}", truth) == 0.0
+        assert tok.unk_token_id not in tok.apply_chat_template(row["prompt"])
+    assert len({r["extra_info"]["question"] for r in rows}) > 190  # varied problems
+
+
+def test_arithmetic_parquet_loads_and_checks(tmp_path):
+    paths = write_task_data(tmp_path, "arithmetic", train=20, val=5, seed=0)
+    table = pq.read_table(paths["train"])
+    assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    from protocol.algos.reward import needs_ground_truth
+
+    ds = RLHFDataset(str(paths["train"]), CharTokenizer(), 256, needs_ground_truth=needs_ground_truth)
+    assert len(ds) == 20 and ds[0]["raw_prompt"] == table.to_pylist()[0]["prompt"]
+    task = get_task("arithmetic")
+    assert isinstance(task, ArithmeticTask)
+    ex = task.sample(random.Random(4))
+    assert task.score(ex.params["solution"], ex.ground_truth) == 1.0
+    # a warm-up trains on the worked solution, not on the bare number
+    assert task.warmup_pairs(1, 7) == [(task.messages(task.sample(random.Random(7))),
+                                        task.sample(random.Random(7)).params["solution"])]
+    with pytest.raises(TaskError, match="max_operand"):
+        get_task("arithmetic", max_operand=1)

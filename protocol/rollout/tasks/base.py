@@ -48,11 +48,16 @@ class Task(abc.ABC):
         """The chat messages (``raw_prompt``) of a problem: a single user turn."""
         return [{"role": "user", "content": example.prompt}]
 
+    def target_response(self, example: TaskExample) -> str:
+        """The response a supervised warm-up trains on (the answer itself by default)."""
+        return example.ground_truth
+
     def make_row(self, index: int, rng: random.Random, split: str = "train") -> dict[str, Any]:
-        """One dataset row: raw_prompt, data_source, extra_info{index, ground_truth, split, ...}, reward_model."""
+        """One dataset row in the reference system's format: prompt (the message list), data_source,
+        extra_info{index, ground_truth, split, ...}, reward_model{style, ground_truth}."""
         ex = self.sample(rng)
         return {
-            "raw_prompt": self.messages(ex),
+            "prompt": self.messages(ex),
             "data_source": self.name,
             "extra_info": {"index": int(index), "split": split, "ground_truth": ex.ground_truth, **ex.params,
                            **self.score_params()},
@@ -67,7 +72,7 @@ class Task(abc.ABC):
         out = []
         for _ in range(n):
             ex = self.sample(rng)
-            out.append((self.messages(ex), ex.ground_truth))
+            out.append((self.messages(ex), self.target_response(ex)))
         return out
 
 
