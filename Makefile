@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 CONFIG ?= configs/grpo_tiny.yaml
 
-.PHONY: setup test run bench
+.PHONY: setup test test-explore run bench
 
 setup: $(VENV)/.installed
 
@@ -16,8 +16,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test,megatron,tq]'
 	touch $@
 
+# HYPOTHESIS_PROFILE=ci: derandomized property tests with fixed example budgets and no example database, so every
+# run checks the same examples (profiles in tests/conftest.py).
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+# The property tests only, with fresh random seeds and EXPLORE_FACTOR times each test's example budget.
+EXPLORE_FACTOR ?= 10
+test-explore: setup
+	HYPOTHESIS_PROFILE=explore HYPOTHESIS_EXPLORE_FACTOR=$(EXPLORE_FACTOR) OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q -m property tests
 
 run: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node=$(NPROC) scripts/train.py --config $(CONFIG) $(ARGS)

@@ -1,16 +1,80 @@
-"""Shared fixtures. Distributed tests run worker scripts from tests/dist/ under torchrun (gloo, CPU)."""
+"""Shared fixtures and the hypothesis profiles. Distributed tests run worker scripts from tests/dist/ under torchrun.
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE``, default ``ci``):
+
+* ``ci``: derandomized (the same examples on every run and every machine), no example database, each test's own
+  ``max_examples`` budget, no deadline (shared CPUs make timings meaningless), failing examples printed as blobs.
+* ``explore``: fresh random seeds, every test's budget multiplied by ``HYPOTHESIS_EXPLORE_FACTOR`` (default 10);
+  ``make test-explore`` runs the property tests (marker ``property``) this way to hunt for new counterexamples.
+"""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+__all__ = ["run_torchrun", "launched_pids", "HYPOTHESIS_PROFILES", "LAUNCH_MARKER_ENV"]
 
 REPO = Path(__file__).resolve().parent.parent
 DIST_DIR = Path(__file__).resolve().parent / "dist"
+
+HYPOTHESIS_PROFILES = ("ci", "explore")
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True, max_examples=50)
+settings.register_profile("explore", derandomize=False, database=None, deadline=None, print_blob=True,
+                          max_examples=500)
+_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+if _PROFILE not in HYPOTHESIS_PROFILES:
+    raise ValueError(f"HYPOTHESIS_PROFILE={_PROFILE!r} is not a known profile; expected one of {HYPOTHESIS_PROFILES}")
+# loaded before any test module is imported, so every @settings(...) in the tests inherits from this profile
+settings.load_profile(_PROFILE)
+
+
+def _explore_factor() -> int:
+    raw = os.environ.get("HYPOTHESIS_EXPLORE_FACTOR", "10")
+    try:
+        factor = int(raw)
+    except ValueError:
+        factor = 0
+    if factor < 1:
+        raise ValueError(f"HYPOTHESIS_EXPLORE_FACTOR={raw!r}: expected an integer >= 1 (the multiplier of each "
+                         "property test's max_examples under the explore profile)")
+    return factor
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "property: a hypothesis property test (selected by make test-explore)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark hypothesis tests ``property``; under the explore profile, scale each one's example budget."""
+    factor = _explore_factor() if _PROFILE == "explore" else 1
+    scaled: set[int] = set()
+    for item in items:
+        fn = getattr(item, "obj", None)
+        if not getattr(fn, "is_hypothesis_test", False):
+            continue
+        item.add_marker(pytest.mark.property)
+        if factor == 1 or id(fn) in scaled:
+            continue
+        # a test's own @settings(max_examples=...) wins over the profile, so the budget is scaled on the test itself
+        own = getattr(fn, "_hypothesis_internal_use_settings", None)
+        if own is None:
+            raise RuntimeError(f"{item.nodeid}: hypothesis no longer exposes the test's settings; "
+                               "update tests/conftest.py for this hypothesis version")
+        fn._hypothesis_internal_use_settings = settings(own, max_examples=own.max_examples * factor)
+        scaled.add(id(fn))
+
+
+# ------------------------------------------------------------------------------------------------ torchrun launcher
+LAUNCH_MARKER_ENV = "RLDISPATCH_TEST_LAUNCH"
 
 
 def _free_port() -> int:
@@ -19,10 +83,68 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launched_pids(marker: str) -> list[int]:
+    """Live processes whose environment carries ``LAUNCH_MARKER_ENV=marker``: torchrun and every worker it started.
+
+    torchrun puts each worker in a session of its own, so neither the launcher's process group nor its parent
+    links (lost once torchrun dies) reach all of them; the environment marker is inherited by every descendant.
+    """
+    needle = f"{LAUNCH_MARKER_ENV}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # exited meanwhile, or not ours
+            continue
+        if needle in env:
+            found.append(int(entry))
+    return found
+
+
+def _kill_launch(proc: subprocess.Popen, marker: str) -> list[int]:
+    """SIGKILL torchrun's process group and every process carrying the launch marker; reap torchrun.
+
+    Returns the pids that were still alive besides torchrun (the workers).
+    """
+    stragglers: set[int] = set()
+    for _ in range(100):
+        if proc.poll() is None:  # not reaped yet, so its pid (and process group id) cannot have been reused
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        pids = [p for p in launched_pids(marker) if p != proc.pid]
+        stragglers.update(pids)
+        for pid in pids:  # each worker leads a session and a process group of its own: kill the group, then it
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        try:
+            proc.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            continue
+        if not pids:
+            break
+    return sorted(stragglers)
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
+
+
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
     """Run ``script`` (a path, or a file name under tests/dist/) on ``nproc`` local ranks; return its stdout.
 
-    Fails the calling test with the workers' output when the launch exits non-zero or times out.
+    Fails the calling test with the workers' output when the launch exits non-zero or times out. torchrun starts in
+    a session of its own; on timeout, on any exception (pytest-timeout, Ctrl-C) and after every exit, torchrun and
+    all of its workers are SIGKILLed, so no worker outlives the test.
     """
     path = Path(script)
     if not path.is_absolute():
@@ -32,15 +154,32 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 30
         f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
         str(path), *map(str, args),
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"torchrun {path.name} x{nproc} timed out after {timeout}s\n{exc.stdout}\n{exc.stderr}")
+    marker = uuid.uuid4().hex
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {}),
+                LAUNCH_MARKER_ENV: marker}
+    # output goes to files, not pipes: a leaked process holding a pipe open would keep the read from ending
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, cwd=REPO, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:  # pytest-timeout, Ctrl-C: take the launch down before unwinding
+            _kill_launch(proc, marker)
+            raise
+        leftover = _kill_launch(proc, marker)
+        stdout, stderr = (_read(f) for f in (out, err))
+    if timed_out:
+        pytest.fail(f"torchrun {path.name} x{nproc} timed out after {timeout}s (killed torchrun and workers "
+                    f"{leftover})\nSTDOUT:\n{stdout[-6000:]}\nSTDERR:\n{stderr[-6000:]}")
     if proc.returncode != 0:
-        pytest.fail(f"torchrun {path.name} x{nproc} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\n"
-                    f"STDERR:\n{proc.stderr[-6000:]}")
-    return proc.stdout
+        pytest.fail(f"torchrun {path.name} x{nproc} exited {proc.returncode}\nSTDOUT:\n{stdout[-6000:]}\n"
+                    f"STDERR:\n{stderr[-6000:]}")
+    if leftover:
+        pytest.fail(f"torchrun {path.name} x{nproc} exited 0 but left worker processes {leftover} running "
+                    f"(killed)\nSTDOUT:\n{stdout[-6000:]}\nSTDERR:\n{stderr[-6000:]}")
+    return stdout
 
 
 @pytest.fixture

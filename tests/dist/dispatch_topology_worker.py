@@ -127,8 +127,9 @@ def main() -> None:
         for d in done:
             print("OK", d, flush=True)
         print(f"worker time {time.perf_counter() - t0:.1f}s", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    from worker_exit import run_worker
+
+    run_worker(main)

@@ -472,11 +472,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
-    try:
-        run_modes(args.modes, args.path)
-    finally:
-        dist.destroy_process_group()
+    run_modes(args.modes, args.path)
 
 
 if __name__ == "__main__":
-    main()
+    from worker_exit import run_worker
+
+    run_worker(main)

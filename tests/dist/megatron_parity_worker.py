@@ -279,8 +279,9 @@ def main() -> None:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(holder[0], ignore_errors=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    from worker_exit import run_worker
+
+    run_worker(main)

@@ -4,7 +4,8 @@ Each rank takes its share of one optimizer step (rows assigned round-robin after
 into micro-batches, all-reduces (tokens, seqs) once, and backpropagates every micro-batch loss through a DDP
 model (gradients summed by scaling the loss with the world size, since DDP averages). The resulting gradient
 must equal the single-process full-batch gradient, for every loss_agg_mode and with entropy and KL terms.
-Prints one "OK <mode>" line per mode on rank 0.
+Prints one "OK <mode>" line per mode on rank 0. Each mode's DDP model lives in :func:`check_mode` only, so it is
+freed before the process group is destroyed (see worker_exit.py for the deadlock that order avoids).
 """
 from __future__ import annotations
 
@@ -52,51 +53,57 @@ def step_loss(model, feats, targets, mask, old, adv, ref, mode, T, S):
     return pg - 0.01 * ent + 0.1 * kl
 
 
+def check_mode(mode: str, rank: int, world: int) -> None:
+    """One loss_agg_mode: the split DDP step must reproduce the full-batch loss and gradients."""
+    feats, targets, mask, is_padding, old, adv, ref = make_data(7)
+    base = torch.nn.Linear(H, V).double()
+    # single-process reference: the whole step at once
+    ref_model = torch.nn.Linear(H, V).double()
+    ref_model.load_state_dict(base.state_dict())
+    T_full, S_full = global_counts(mask, is_padding)
+    step_loss(ref_model, feats, targets, mask, old, adv, ref, mode, T_full, S_full).backward()
+
+    model = DDP(base)
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    mine = perm[rank::world]
+    micro = [mine[i::2] for i in range(2)] + [mine[:0]]  # two micro-batches and an empty one
+    local = [global_counts(mask[mb], is_padding[mb]) for mb in micro]
+    counts = torch.tensor([sum(c[0] for c in local), sum(c[1] for c in local)], dtype=torch.float64)
+    dist.all_reduce(counts)
+    T, S = float(counts[0]), float(counts[1])
+    check((T, S) == (T_full, S_full), f"{mode}: all-reduced counts {(T, S)} != full batch {(T_full, S_full)}")
+    total = torch.zeros((), dtype=torch.float64)
+    for j, mb in enumerate(micro):
+        width = int(mask[mb].sum(0).nonzero().max()) + 1 if mask[mb].any() else 1  # per-micro-batch padding
+        sl = (mb[:, None], torch.arange(width)[None])
+        if j < len(micro) - 1:
+            with model.no_sync():
+                loss = step_loss(model, feats[sl], targets[sl], mask[sl], old[sl], adv[sl], ref[sl], mode, T, S)
+                (loss * world).backward()  # DDP averages over ranks; the loss is already a global share
+        else:
+            loss = step_loss(model, feats[sl], targets[sl], mask[sl], old[sl], adv[sl], ref[sl], mode, T, S)
+            (loss * world).backward()
+        total += loss.detach()
+    dist.all_reduce(total)
+    with torch.no_grad():
+        full = step_loss(ref_model, feats, targets, mask, old, adv, ref, mode, T_full, S_full)
+    check(torch.allclose(total, full, rtol=1e-10, atol=1e-12), f"{mode}: loss {float(total)} != {float(full)}")
+    for (name, p), q in zip(model.module.named_parameters(), ref_model.parameters()):
+        check(torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12),
+              f"{mode}: grad of {name} differs by {float((p.grad - q.grad).abs().max())}")
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     for mode in LOSS_AGG_MODES:
-        feats, targets, mask, is_padding, old, adv, ref = make_data(7)
-        base = torch.nn.Linear(H, V).double()
-        # single-process reference: the whole step at once
-        ref_model = torch.nn.Linear(H, V).double()
-        ref_model.load_state_dict(base.state_dict())
-        T_full, S_full = global_counts(mask, is_padding)
-        step_loss(ref_model, feats, targets, mask, old, adv, ref, mode, T_full, S_full).backward()
-
-        model = DDP(base)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(3))
-        mine = perm[rank::world]
-        micro = [mine[i::2] for i in range(2)] + [mine[:0]]  # two micro-batches and an empty one
-        local = [global_counts(mask[mb], is_padding[mb]) for mb in micro]
-        counts = torch.tensor([sum(c[0] for c in local), sum(c[1] for c in local)], dtype=torch.float64)
-        dist.all_reduce(counts)
-        T, S = float(counts[0]), float(counts[1])
-        check((T, S) == (T_full, S_full), f"{mode}: all-reduced counts {(T, S)} != full batch {(T_full, S_full)}")
-        total = torch.zeros((), dtype=torch.float64)
-        for j, mb in enumerate(micro):
-            width = int(mask[mb].sum(0).nonzero().max()) + 1 if mask[mb].any() else 1  # per-micro-batch padding
-            sl = (mb[:, None], torch.arange(width)[None])
-            if j < len(micro) - 1:
-                with model.no_sync():
-                    loss = step_loss(model, feats[sl], targets[sl], mask[sl], old[sl], adv[sl], ref[sl], mode, T, S)
-                    (loss * world).backward()  # DDP averages over ranks; the loss is already a global share
-            else:
-                loss = step_loss(model, feats[sl], targets[sl], mask[sl], old[sl], adv[sl], ref[sl], mode, T, S)
-                (loss * world).backward()
-            total += loss.detach()
-        dist.all_reduce(total)
-        with torch.no_grad():
-            full = step_loss(ref_model, feats, targets, mask, old, adv, ref, mode, T_full, S_full)
-        check(torch.allclose(total, full, rtol=1e-10, atol=1e-12), f"{mode}: loss {float(total)} != {float(full)}")
-        for (name, p), q in zip(model.module.named_parameters(), ref_model.parameters()):
-            check(torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12),
-                  f"{mode}: grad of {name} differs by {float((p.grad - q.grad).abs().max())}")
+        check_mode(mode, rank, world)
         if rank == 0:
             print(f"OK {mode}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    from worker_exit import run_worker
+
+    run_worker(main)

@@ -68,8 +68,9 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print(f"DATAPLANE OK bytes={remote_bytes}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    from worker_exit import run_worker
+
+    run_worker(main)
