@@ -25,7 +25,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict, is_non_tensor
 
-from protocol.batch.nested import is_jagged, nested_from_values, strided_nested, to_nested
+from protocol.batch.nested import (
+    is_jagged, nested_from_values, nested_offsets, nested_values, strided_nested, to_nested,
+)
 
 __all__ = [
     "SerializationError",
@@ -63,7 +65,7 @@ def _to_bytes(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy().copy() if flat.numel() else np.zeros(0, dtype=np.uint8)
 
 
-def _from_bytes(raw: Any, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
+def _from_bytes(raw: Any, dtype: torch.dtype, shape: tuple[int, ...], what: str, owned: bool = False) -> torch.Tensor:
     buf = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else np.asarray(raw)
     if buf.dtype != np.uint8 or buf.ndim != 1:
         raise SerializationError(f"{what}: expected a 1-D uint8 byte buffer, found dtype {buf.dtype} shape {buf.shape}")
@@ -72,7 +74,7 @@ def _from_bytes(raw: Any, dtype: torch.dtype, shape: tuple[int, ...], what: str)
     if buf.size != numel * itemsize:
         raise SerializationError(f"{what}: shape {tuple(shape)} of {_dtype_name(dtype)} needs {numel * itemsize} bytes, "
                                  f"found {buf.size}")
-    flat = torch.from_numpy(buf.copy())
+    flat = torch.from_numpy(buf if owned else buf.copy())  # a copy unless the buffer is already ours alone
     storage = torch.uint8 if dtype == torch.bool else dtype
     out = flat.view(storage) if flat.numel() else torch.zeros(0, dtype=storage)
     return (out.view(torch.bool) if dtype == torch.bool else out).reshape(shape)
@@ -116,6 +118,30 @@ def _nested_from(components: list[torch.Tensor], layout: str, template: Any, wha
     return to_nested(components) if layout == "jagged" else strided_nested(components)
 
 
+def _jagged_components(nt: torch.Tensor) -> list[tuple[str, tuple[int, ...], np.ndarray]]:
+    """Per-sample ``(dtype, shape, bytes)`` of a jagged tensor as views into one host copy of its values."""
+    values, offsets = nested_values(nt), nested_offsets(nt).cpu().tolist()
+    raw = _to_bytes(values)
+    trailing = tuple(int(d) for d in values.shape[1:])
+    row = values[:1].numel() * values.element_size() if values.shape[0] else 0
+    name = _dtype_name(values.dtype)
+    return [(name, (b - a, *trailing), raw[a * row:b * row]) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _jagged_from_components(encoded: list, what: str) -> torch.Tensor | None:
+    """One concatenated buffer -> values + offsets when every sample shares dtype and trailing shape (else None)."""
+    names = {c[0] for c in encoded}
+    trailing = {tuple(int(d) for d in c[1][1:]) for c in encoded}
+    if len(names) != 1 or len(trailing) != 1 or any(len(c[1]) < 1 for c in encoded):
+        return None
+    dtype, tail = _dtype_from(names.pop()), trailing.pop()
+    lengths = [int(c[1][0]) for c in encoded]
+    parts = [np.frombuffer(c[2], dtype=np.uint8) if isinstance(c[2], (bytes, bytearray, memoryview))
+             else np.asarray(c[2]) for c in encoded]
+    values = _from_bytes(np.concatenate(parts), dtype, (sum(lengths), *tail), what, owned=True)
+    return nested_from_values(values, torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64))
+
+
 def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None, dict[Any, tuple]]:
     """``(batch_size, device, items)``: every leaf as bytes (dense, jagged or strided; sub-dict leaves by tuple key).
 
@@ -133,7 +159,8 @@ def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None
                             f"(dense or nested) can be serialized, keep other data in non_tensor_batch")
         if value.is_nested:
             layout = "jagged" if is_jagged(value) else "strided"
-            components = [serialize_single_tensor(c) for c in value.unbind()]
+            components = _jagged_components(value) if is_jagged(value) else \
+                [serialize_single_tensor(c) for c in value.unbind()]
             if components:
                 items[key] = (layout, components)
             else:
@@ -153,6 +180,10 @@ def _decode_item(key: Any, encoded: Any) -> torch.Tensor:
         if len(encoded) not in (2, 3) or not isinstance(encoded[1], (list, tuple)):
             raise SerializationError(f"field {key!r}: a nested entry is (layout, [components]), found {len(encoded)} "
                                      f"parts")
+        if encoded[0] == "jagged" and encoded[1]:
+            fast = _jagged_from_components(list(encoded[1]), f"field {key!r}")
+            if fast is not None:
+                return fast
         components = [deserialize_single_tensor(c) for c in encoded[1]]
         return _nested_from(components, encoded[0], encoded[2] if len(encoded) == 3 else None, f"field {key!r}")
     if len(encoded) != 3:
