@@ -1,6 +1,7 @@
-"""Write a learnable task's train/val parquet files (no download).
+"""Write a learnable task's train/val parquet files in the reference system's row format (no download).
 
-    python scripts/make_task_data.py --out-dir data/repeat --task repeat --train 2048 --val 64 --seed 0
+    rldispatch data --task repeat --out-dir data/repeat --train 2048 --val 64 --seed 0
+    rldispatch data --task arithmetic --out-dir data/arithmetic   # GSM8K-style rows, data_source openai/gsm8k
 """
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=None, help="longest word (default: the task's)")
     ap.add_argument("--length-weight", type=float, default=None,
                     help="weight of the length term in the score (default: the task's, 0.5)")
+    ap.add_argument("--max-operand", type=int, default=None,
+                    help="arithmetic: the largest number in a problem (default: the task's, 12)")
     args = ap.parse_args(argv)
     params = {k: v for k, v in (("alphabet", args.alphabet), ("min_len", args.min_len), ("max_len", args.max_len),
-                                ("length_weight", args.length_weight)) if v is not None}
+                                ("length_weight", args.length_weight), ("max_operand", args.max_operand))
+              if v is not None}
     try:
         paths = write_task_data(args.out_dir, args.task, args.train, args.val, args.seed, **params)
     except TaskError as exc:
