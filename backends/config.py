@@ -2,37 +2,44 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from backends.model.config import ModelConfig
+from dispatch.topology import FSDPParallel, MegatronParallel
+from protocol.algos.kl import KL_KINDS
+from protocol.algos.losses import LossAggMode
+from protocol.config import ConfigError, check_choices
 
-__all__ = ["OptimConfig", "PolicyLossConfig", "FSDPConfig", "MegatronConfig", "EngineConfig"]
+__all__ = ["EngineConfigError", "OptimConfig", "PolicyLossConfig", "FSDPConfig", "MegatronConfig", "EngineConfig",
+           "DtypeName"]
 
-LR_SCHEDULES = ("constant", "cosine")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# dtype names of the FSDP mixed-precision policy; auto = bf16 on GPU, fp32 on CPU
+DtypeName = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+class EngineConfigError(ConfigError):
+    """An engine section value that cannot be used; the message names the ``actor.*`` key to change."""
 
 
 @dataclass
 class OptimConfig:
     """AdamW (or SGD, for exact parity tests) with linear warm-up then a constant or cosine schedule."""
 
-    name: str = "adamw"  # adamw | sgd
+    name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_steps: int = 0
-    lr_schedule: str = "constant"
+    lr_schedule: Literal["constant", "cosine"] = "constant"
     total_steps: int | None = None  # optimizer steps of the whole run (cosine decay length); None = the trainer's
     min_lr_ratio: float = 0.0
     clip_grad: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.name not in ("adamw", "sgd"):
-            raise ValueError(f"actor.optim.name must be 'adamw' or 'sgd', got {self.name!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"actor.optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        check_choices(self, "actor.optim", EngineConfigError)
         if self.lr < 0 or self.warmup_steps < 0 or self.clip_grad <= 0:
-            raise ValueError("actor.optim: lr and warmup_steps must be >= 0 and clip_grad > 0, got "
+            raise EngineConfigError("actor.optim: lr and warmup_steps must be >= 0 and clip_grad > 0, got "
                              f"lr={self.lr}, warmup_steps={self.warmup_steps}, clip_grad={self.clip_grad}")
 
 
@@ -43,47 +50,46 @@ class PolicyLossConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = "low_var_kl"  # a KL estimator of protocol.algos.kl (KL_KINDS)
     horizon: int | None = None  # fixed token horizon of seq-mean-token-sum-norm (normally the max response length)
     temperature: float = 1.0  # logits are divided by it in training, as in the rollout that sampled the tokens
 
     def __post_init__(self) -> None:
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"actor.loss.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        check_choices(self, "actor.loss", EngineConfigError)
+        if self.kl_loss_type not in KL_KINDS:
+            raise EngineConfigError(f"actor.loss.kl_loss_type must be one of {list(KL_KINDS)}, got "
+                                    f"{self.kl_loss_type!r}")
         if self.temperature <= 0:
-            raise ValueError(f"actor.loss.temperature must be > 0, got {self.temperature}")
+            raise EngineConfigError(f"actor.loss.temperature must be > 0, got {self.temperature}")
         if self.horizon is not None and self.horizon <= 0:
-            raise ValueError(f"actor.loss.horizon must be a positive integer, got {self.horizon}")
+            raise EngineConfigError(f"actor.loss.horizon must be a positive integer, got {self.horizon}")
         if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"actor.loss.clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
+            raise EngineConfigError(f"actor.loss.clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
 
 
 @dataclass
-class FSDPConfig:
-    """FSDP2: fsdp_size = -1 shards over all ranks; a smaller value makes a replicate x shard (HSDP) mesh."""
+class FSDPConfig(FSDPParallel):
+    """FSDP2 section: the parallel degrees (``fsdp_size`` = -1 shards over all ranks; a smaller value makes a
+    replicate x shard (HSDP) mesh; ``ulysses_sp``) plus the engine's own keys."""
 
-    fsdp_size: int = -1
-    ulysses_sp: int = 1
     activation_checkpointing: bool = False
-    param_dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    reduce_dtype: str = "float32"
+    param_dtype: DtypeName = "auto"
+    reduce_dtype: DtypeName = "float32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choices(self, "actor.fsdp", EngineConfigError)
 
 
 @dataclass
-class MegatronConfig:
-    """Megatron-core parallel degrees. vpp = virtual pipeline stages per rank (1 = off)."""
+class MegatronConfig(MegatronParallel):
+    """Megatron-core section: the parallel degrees (``vpp`` = virtual pipeline stages per rank, 1 = off) plus the
+    engine's own keys."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    dynamic_cp: bool = False
     use_distributed_optimizer: bool = True
     sequence_parallel: bool = False
 

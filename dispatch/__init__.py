@@ -13,6 +13,7 @@ from dispatch.balance import (
     PartitionError,
     balance_partitions,
     contiguous_partitions,
+    differencing_partitions,
     greedy_partitions,
     imbalance,
     karmarkar_karp,
@@ -35,12 +36,15 @@ from dispatch.padding import (
 from dispatch.plan import DispatchPlan, MiniBatchPlan, PlanError, RankPlan, build_plan, restore_order, reverse_index
 from dispatch.settings import BatchSettings, DispatchConfigError
 from dispatch.synthetic import DISTRIBUTIONS, synthetic_lengths
-from dispatch.topology import Backend, Topology, TopologyError
+from dispatch.topology import Backend, BackendName, FSDPParallel, MegatronParallel, ParallelSection, Topology, \
+    TopologyError, parallel_section
 from dispatch.workload import DEFAULT_HIDDEN_SIZE, WorkloadError, WorkloadModel
 
 __all__ = [
-    "Backend", "Topology", "TopologyError",
-    "PartitionError", "balance_partitions", "karmarkar_karp", "greedy_partitions", "contiguous_partitions",
+    "Backend", "BackendName", "FSDPParallel", "MegatronParallel", "ParallelSection", "parallel_section",
+    "Topology", "TopologyError",
+    "PartitionError", "balance_partitions", "karmarkar_karp", "differencing_partitions", "greedy_partitions",
+    "contiguous_partitions",
     "refine_partitions", "partition_loads", "lower_bound", "imbalance",
     "WorkloadModel", "WorkloadError", "DEFAULT_HIDDEN_SIZE",
     "BatchSettings", "DispatchConfigError",

@@ -11,11 +11,12 @@ from typing import Any, Mapping
 
 from dispatch.topology import Topology
 from dispatch.workload import WorkloadModel
+from protocol.config import ConfigError
 
 __all__ = ["BatchSettings", "DispatchConfigError"]
 
 
-class DispatchConfigError(ValueError):
+class DispatchConfigError(ConfigError):
     """Batch settings that cannot be dispatched on a topology; the message names the numbers to change."""
 
 

@@ -14,23 +14,33 @@ Rank orderings (checked against the libraries in tests):
   ``("replicate", "shard")`` of shape ``(world/fsdp_size, fsdp_size)`` (HSDP) or 1-D over all ranks
   (``fsdp_size = -1``). Both are row-major like ``torch.distributed.device_mesh.init_device_mesh``.
 
+The parallel degrees a user sets are typed sections, one per backend (:class:`FSDPParallel`,
+:class:`MegatronParallel`); the engines' config sections extend them with their engine-only keys. A plain
+mapping (tests, scripts) becomes such a section first (:func:`parallel_section`), so every topology is built
+along one path: mapping -> typed section -> :class:`Topology`.
+
 Example::
 
-    >>> topo = Topology.from_config({"backend": "megatron", "tp": 2, "pp": 2}, world_size=8)
+    >>> topo = Topology.from_config(MegatronParallel(tp=2, pp=2), world_size=8)
     >>> topo.dp_size, topo.coords(6)["dp"], topo.ranks_of_dp(1), topo.is_reporting(6)
     (2, 1, [2, 3, 6, 7], True)
+    >>> Topology.from_config({"backend": "megatron", "tp": 2, "pp": 2}, world_size=8) == topo
+    True
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
-__all__ = ["Backend", "Topology", "TopologyError", "ENGINE_ONLY_KEYS"]
+from protocol.config import ConfigError
+
+__all__ = ["Backend", "BackendName", "FSDPParallel", "MegatronParallel", "ParallelSection", "parallel_section",
+           "Topology", "TopologyError"]
 
 
-class TopologyError(ValueError):
+class TopologyError(ConfigError):
     """Parallel degrees that do not fit the world size or each other; the message names the numbers to change."""
 
 
@@ -44,29 +54,152 @@ class Backend(str, enum.Enum):
         return self.value
 
 
-# Config keys read from a mapping or attributes read from a typed section, with their defaults.
-_DEFAULTS: dict[str, Any] = {
-    "tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "etp": 1, "dynamic_cp": False,
-    "ulysses_sp": 1, "fsdp_size": -1, "rollout_tp": 1, "num_experts": None,
-}
+BackendName = Literal["fsdp", "megatron"]  # the config spelling of :class:`Backend` (``actor.backend``)
+
+# megatron-core's long names for the degrees, accepted in a mapping
 _ALIASES = {
     "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
     "virtual_pipeline_model_parallel_size": "vpp", "context_parallel_size": "cp",
     "expert_model_parallel_size": "ep", "expert_tensor_parallel_size": "etp",
     "ulysses_sequence_parallel_size": "ulysses_sp",
 }
-# Engine-only keys of the backend config sections (FSDPConfig, MegatronConfig): accepted and ignored, so that
-# ``{"backend": ..., **dataclasses.asdict(section)}`` works; any other unknown key is refused as a likely typo.
-ENGINE_ONLY_KEYS = frozenset({"activation_checkpointing", "param_dtype", "reduce_dtype", "use_distributed_optimizer",
-                              "sequence_parallel"})
-_MEGATRON_ONLY = ("tp", "pp", "vpp", "cp", "ep", "etp")
-_FSDP_ONLY = ("ulysses_sp",)
+# keys of the job rather than of a backend section: the rollout engine's TP and the model's expert count
+_JOB_KEYS = ("rollout_tp", "num_experts")
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TopologyError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def _check_fsdp_size(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        raise TopologyError(f"fsdp_size must be -1 (shard over all ranks) or a positive int, got {value!r}")
+
+
+@dataclass
+class FSDPParallel:
+    """FSDP's parallel degrees: ``fsdp_size`` (-1 = shard over all ranks, else the HSDP shard group) and Ulysses SP."""
+
+    backend: ClassVar[Backend] = Backend.FSDP
+    fsdp_size: int = -1
+    ulysses_sp: int = 1
+
+    def __post_init__(self) -> None:
+        _check_fsdp_size(self.fsdp_size)
+        _positive_int("ulysses_sp", self.ulysses_sp)
+
+
+@dataclass
+class MegatronParallel:
+    """Megatron-core's parallel degrees; ``vpp`` = virtual pipeline stages per rank (1 = off)."""
+
+    backend: ClassVar[Backend] = Backend.MEGATRON
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    dynamic_cp: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "vpp", "cp", "ep", "etp"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.dynamic_cp, bool):
+            raise TopologyError(f"dynamic_cp must be a bool, got {self.dynamic_cp!r}")
+
+
+ParallelSection = FSDPParallel | MegatronParallel
+_SECTIONS: dict[Backend, type] = {Backend.FSDP: FSDPParallel, Backend.MEGATRON: MegatronParallel}
+
+
+def _backend(name: Any) -> Backend:
+    try:
+        return Backend(str(name).lower())
+    except ValueError:
+        raise TopologyError(f"backend must be one of {[b.value for b in Backend]}, got {name!r}") from None
+
+
+def _degrees(section_cls: type) -> dict[str, Any]:
+    """The degrees a backend section declares, with their defaults."""
+    return {f.name: f.default for f in dataclasses.fields(section_cls)}
+
+
+def _engine_keys(section_cls: type) -> set[str]:
+    """Keys the (imported) subclasses of a section add, e.g. an engine's dtypes: not parallel degrees."""
+    own, found = set(_degrees(section_cls)), set()
+    todo = list(section_cls.__subclasses__())
+    while todo:
+        sub = todo.pop()
+        todo.extend(sub.__subclasses__())
+        if dataclasses.is_dataclass(sub):
+            found |= {f.name for f in dataclasses.fields(sub)} - own
+    return found
+
+
+def _check_foreign(backend: Backend, values: Mapping[str, Any]) -> None:
+    """Refuse the other backend's degrees when set away from their defaults, naming the ones to reset."""
+    other = _degrees(_SECTIONS[Backend.MEGATRON if backend is Backend.FSDP else Backend.FSDP])
+    changed = [f"{k}={values[k]}" for k in other if k in values and values[k] != other[k]]
+    if not changed:
+        return
+    if backend is Backend.FSDP:
+        raise TopologyError(f"backend 'fsdp' has no {', '.join(changed)}; set them to 1 (use ulysses_sp for "
+                            f"sequence parallelism) or choose backend 'megatron'")
+    raise TopologyError(f"backend 'megatron' has no ulysses_sp/fsdp_size (got {', '.join(changed)}); use cp for "
+                        f"context parallelism and leave them at 1/-1")
+
+
+def parallel_section(cfg: Mapping[str, Any] | None, backend: str | None = None
+                     ) -> tuple[ParallelSection, dict[str, Any]]:
+    """A mapping of degrees as its backend's typed section, plus the job keys it carries (``rollout_tp``, ``num_experts``).
+
+    The backend comes from ``cfg["backend"]`` or the ``backend`` argument. Missing degrees default; megatron-core's
+    long names (``tensor_model_parallel_size`` ...) are accepted; the other backend's degrees must stay at their
+    defaults; keys an engine's section adds to its parallel section (``param_dtype`` ...) are ignored, so
+    ``{"backend": ..., **dataclasses.asdict(section)}`` works; any other key is refused as a likely typo.
+
+    >>> parallel_section({"backend": "megatron", "tensor_model_parallel_size": 2, "rollout_tp": 2})
+    (MegatronParallel(tp=2, pp=1, vpp=1, cp=1, ep=1, etp=1, dynamic_cp=False), {'rollout_tp': 2})
+    """
+    raw = dict(cfg or {})
+    given = raw.pop("backend", None)
+    if backend is not None and given not in (None, backend):
+        raise TopologyError(f"backend argument {backend!r} disagrees with config backend {given!r}")
+    name = backend if backend is not None else given
+    if name is None:
+        raise TopologyError("Topology.from_config needs a backend: put 'backend': 'fsdp' | 'megatron' in the "
+                            "config or pass backend=...")
+    kind = _backend(name)
+    section_cls = _SECTIONS[kind]
+    own = _degrees(section_cls)
+    foreign_names = set(_degrees(_SECTIONS[Backend.MEGATRON if kind is Backend.FSDP else Backend.FSDP]))
+    engine_only = _engine_keys(section_cls)
+    values: dict[str, Any] = {}
+    job: dict[str, Any] = {}
+    foreign: dict[str, Any] = {}
+    unknown = []
+    for key, value in raw.items():
+        key = _ALIASES.get(key, key)
+        if key in own:
+            values[key] = value
+        elif key in _JOB_KEYS:
+            job[key] = value
+        elif key in foreign_names:
+            foreign[key] = value
+        elif key not in engine_only:
+            unknown.append(key)
+    if unknown:
+        known = sorted({*own, *foreign_names, *_JOB_KEYS})
+        raise TopologyError(f"unknown topology keys {sorted(unknown)}; known keys: {known}")
+    if "vpp" in values and values["vpp"] is None:  # megatron-core spells "off" as None
+        values["vpp"] = 1
+    if "vpp" in foreign and foreign["vpp"] is None:
+        foreign["vpp"] = 1
+    _check_foreign(kind, foreign)
+    return section_cls(**values), job
 
 
 @dataclass(frozen=True)
@@ -94,34 +227,26 @@ class Topology:
 
     # ------------------------------------------------------------------ construction
     def __post_init__(self) -> None:
-        try:
-            backend = Backend(str(self.backend).lower())
-        except ValueError:
-            raise TopologyError(f"backend must be one of {[b.value for b in Backend]}, got {self.backend!r}") from None
+        backend = _backend(self.backend)
         object.__setattr__(self, "backend", backend)
         w = _positive_int("world_size", self.world_size)
         for name in ("tp", "pp", "vpp", "cp", "ep", "etp", "ulysses_sp", "rollout_tp"):
             _positive_int(name, getattr(self, name))
         if not isinstance(self.dynamic_cp, bool):
             raise TopologyError(f"dynamic_cp must be a bool, got {self.dynamic_cp!r}")
-        if isinstance(self.fsdp_size, bool) or not isinstance(self.fsdp_size, int) or (
-                self.fsdp_size < 1 and self.fsdp_size != -1):
-            raise TopologyError(f"fsdp_size must be -1 (shard over all ranks) or a positive int, got {self.fsdp_size!r}")
+        _check_fsdp_size(self.fsdp_size)
         if self.num_experts is not None:
             _positive_int("num_experts", self.num_experts)
         if w % self.rollout_tp:
             raise TopologyError(f"rollout_tp ({self.rollout_tp}) must divide world_size ({w}) so that rollout "
                                 f"replicas tile the ranks; change rollout_tp or the world size")
+        _check_foreign(backend, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if backend is Backend.MEGATRON:
             self._validate_megatron(w)
         else:
             self._validate_fsdp(w)
 
     def _validate_fsdp(self, w: int) -> None:
-        unused = [f"{k}={getattr(self, k)}" for k in _MEGATRON_ONLY if getattr(self, k) != 1]
-        if unused or self.dynamic_cp:
-            raise TopologyError(f"backend 'fsdp' has no {', '.join(unused) or 'dynamic_cp'}; set them to 1 "
-                                f"(use ulysses_sp for sequence parallelism) or choose backend 'megatron'")
         if w % self.ulysses_sp:
             raise TopologyError(f"world_size ({w}) is not divisible by ulysses_sp ({self.ulysses_sp}); "
                                 f"choose ulysses_sp among the divisors {_divisors(w)} or change the world size")
@@ -130,9 +255,6 @@ class Topology:
                                 f"(shard over all ranks) or one of the divisors {_divisors(w)}")
 
     def _validate_megatron(self, w: int) -> None:
-        if self.ulysses_sp != 1 or self.fsdp_size != -1:
-            raise TopologyError(f"backend 'megatron' has no ulysses_sp/fsdp_size (got ulysses_sp={self.ulysses_sp}, "
-                                f"fsdp_size={self.fsdp_size}); use cp for context parallelism and leave them at 1/-1")
         model = self.tp * self.pp * self.cp
         if w % model:
             raise TopologyError(f"world_size ({w}) is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = "
@@ -150,49 +272,33 @@ class Topology:
                                 f"choose ep among {_divisors(self.num_experts)}")
 
     @classmethod
-    def from_config(cls, cfg: Any, world_size: int, backend: str | None = None) -> "Topology":
-        """Build from a plain mapping or a typed section, plus the world size.
+    def from_config(cls, cfg: ParallelSection | Mapping[str, Any] | None, world_size: int,
+                    backend: str | None = None, *, rollout_tp: int | None = None,
+                    num_experts: int | None = None) -> "Topology":
+        """Build from a typed parallel section (:class:`FSDPParallel`, :class:`MegatronParallel` or an engine's
+        section extending one) plus the world size; the section's class fixes the backend.
 
-        ``cfg`` is either a mapping (``{"backend": "megatron", "tp": 2, "pp": 2}``; missing keys default, the
-        engine-only keys of the backend sections (:data:`ENGINE_ONLY_KEYS`) are ignored, other keys are an error) or any object carrying the degrees as attributes (``FSDPConfig``,
-        ``MegatronConfig``, a dataclass); the backend comes from ``cfg["backend"]`` / ``cfg.backend`` or the
-        ``backend`` argument. Long megatron-core names (``tensor_model_parallel_size`` ...) are accepted.
-        Keys a backend section carries that are not parallel degrees (``param_dtype``, ``sequence_parallel``,
-        ...) are ignored when ``cfg`` is a typed object.
+        A mapping (``{"backend": "megatron", "tp": 2}``) is first made a typed section by :func:`parallel_section`
+        (see there for the keys it accepts); ``rollout_tp`` / ``num_experts`` come from the arguments or the mapping.
         """
-        if isinstance(cfg, Mapping):
-            raw = dict(cfg)
-            strict = True
-        elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-            raw = dataclasses.asdict(cfg)
-            strict = False
-        elif cfg is None:
-            raw, strict = {}, True
+        job: dict[str, Any] = {}
+        if cfg is None or isinstance(cfg, Mapping):
+            section, job = parallel_section(cfg, backend)
+        elif isinstance(cfg, (FSDPParallel, MegatronParallel)):
+            section = cfg
+            if backend is not None and _backend(backend) is not section.backend:
+                raise TopologyError(f"backend argument {backend!r} disagrees with the {type(cfg).__name__} section "
+                                    f"(backend {section.backend.value!r})")
         else:
-            raw = {k: getattr(cfg, k) for k in (*_DEFAULTS, *_ALIASES, "backend") if hasattr(cfg, k)}
-            strict = False
-        name = backend if backend is not None else raw.get("backend")
-        if name is None:
-            raise TopologyError("Topology.from_config needs a backend: put 'backend': 'fsdp' | 'megatron' in the "
-                                "config or pass backend=...")
-        if backend is not None and raw.get("backend") not in (None, backend):
-            raise TopologyError(f"backend argument {backend!r} disagrees with config backend {raw.get('backend')!r}")
-        raw.pop("backend", None)
-        values: dict[str, Any] = {}
-        unknown = []
-        for key, value in raw.items():
-            key = _ALIASES.get(key, key)
-            if key in _DEFAULTS:
-                values[key] = value
-            elif key not in ENGINE_ONLY_KEYS:
-                unknown.append(key)
-        if unknown and strict:
-            raise TopologyError(f"unknown topology keys {sorted(unknown)}; known keys: {sorted(_DEFAULTS)}")
-        if values.get("vpp") is None:  # megatron-core spells "off" as None
-            values["vpp"] = 1
-        if values.get("fsdp_size") == 0:
-            raise TopologyError("fsdp_size must be -1 (shard over all ranks) or a positive int, got 0")
-        return cls(backend=name, world_size=world_size, **values)
+            raise TopologyError(f"Topology.from_config takes an FSDPParallel or MegatronParallel section (or a "
+                                f"mapping of degrees), got {type(cfg).__name__}")
+        for key, value in (("rollout_tp", rollout_tp), ("num_experts", num_experts)):
+            if value is not None:
+                if key in job and job[key] != value:
+                    raise TopologyError(f"{key}={value} disagrees with the config's {key}={job[key]}")
+                job[key] = value
+        degrees = {k: getattr(section, k) for k in _degrees(_SECTIONS[section.backend])}
+        return cls(backend=section.backend, world_size=world_size, **degrees, **job)
 
     # ------------------------------------------------------------------ derived degrees
     @property

@@ -4,11 +4,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from backends.config import EngineConfig, FSDPConfig, MegatronConfig, OptimConfig, PolicyLossConfig
 from backends.model.config import ModelConfig
-from rldispatch.schema import ConfigError, build_dataclass
+from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
+from dispatch.topology import BackendName, ParallelSection
+from protocol.config import ConfigError, build_dataclass
 
 __all__ = ["RunConfig", "load_config", "ConfigError"]
 
@@ -17,10 +19,11 @@ __all__ = ["RunConfig", "load_config", "ConfigError"]
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["data/repeat/train.parquet"])
     val_files: list[str] = field(default_factory=lambda: ["data/repeat/val.parquet"])
+    prompt_key: str = "prompt"  # the column holding the message list (a file without it may use raw_prompt)
     task: str = "repeat"  # generated on first use when the files are missing (scripts/make_task_data.py)
     train_size: int = 2048
     val_size: int = 64
-    tokenizer: str = "char"
+    tokenizer: str = ""  # "" = the model.hf_path folder's own tokenizer, else "char"; or a tokenizer folder
     max_prompt_length: int = 64
     filter_overlong_prompts: bool = True  # false: an over-long prompt is an error instead of being dropped
     max_response_length: int = 8
@@ -34,14 +37,14 @@ class RolloutConfig:
     n: int = 8  # sessions per prompt (GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0
-    agent_loop: str = "single_turn"  # single_turn | tool
+    agent_loop: str = "single_turn"  # a registered agent loop (protocol.rollout.agent_loop): single_turn | tool
     max_turns: int = 4
-    log_prob_mode: str = "recompute"  # recompute (engine) | bypass (the rollout's own log-probs)
+    log_prob_mode: Literal["recompute", "bypass"] = "recompute"  # recompute (engine) | bypass (the rollout's own)
 
 
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive
+    type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = 0.001
     target_kl: float = 0.1
     horizon: int = 10000
@@ -49,12 +52,12 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
+    adv_estimator: str = "grpo"  # a registered estimator of protocol.algos.advantage, except gae (needs a critic)
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    kl_penalty: str = "kl"  # a KL estimator of protocol.algos.kl (KL_KINDS)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
@@ -67,7 +70,7 @@ class BalanceConfig:
 
 @dataclass
 class ActorConfig:
-    backend: str = "fsdp"  # fsdp | megatron
+    backend: BackendName = "fsdp"
     ppo_mini_batch_size: int = 8  # prompts per optimizer step
     ppo_epochs: int = 1
     shuffle: bool = False
@@ -80,6 +83,11 @@ class ActorConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
 
+    @property
+    def parallel(self) -> ParallelSection:
+        """The active backend's section (``fsdp`` or ``megatron``): its parallel degrees build the topology."""
+        return self.fsdp if self.backend == "fsdp" else self.megatron
+
 
 @dataclass
 class RefConfig:
@@ -88,8 +96,8 @@ class RefConfig:
 
 @dataclass
 class ReplayConfig:
-    failure_policy: str = "drop"  # drop | keep_successful
-    off_policy_strategy: str = "drop"
+    failure_policy: Literal["drop", "keep_successful"] = "drop"
+    off_policy_strategy: Literal["drop", "wait"] = "drop"
     max_off_policy_threshold: int = 8
     parameter_sync_step: int = 1
     sample_timeout_s: float = 600.0
@@ -103,7 +111,7 @@ class TrainerSection:
     resume: str = "never"  # never | auto | a checkpoint folder
     val_freq: int = 0  # 0 = before the first and after the last step only
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     progress_bar: bool = True
     tensorboard: bool = True
 
@@ -132,6 +140,8 @@ class RunConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     trace: TraceConfig = field(default_factory=TraceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
 
     def engine_config(self) -> EngineConfig:
         """The engine's view of this run."""
@@ -150,25 +160,9 @@ class RunConfig:
             max_token_len_per_gpu=self.actor.max_token_len_per_gpu if self.actor.use_dynamic_bsz else None,
         )
 
-    def topology_config(self) -> dict[str, Any]:
-        """The parallel degrees for ``dispatch.Topology.from_config`` (the rest of the section is engine-only)."""
-        if self.actor.backend == "fsdp":
-            f = self.actor.fsdp
-            return {"backend": "fsdp", "ulysses_sp": f.ulysses_sp, "fsdp_size": f.fsdp_size}
-        m = self.actor.megatron
-        return {"backend": "megatron", "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "cp": m.cp, "ep": m.ep, "etp": m.etp,
-                "dynamic_cp": m.dynamic_cp}
-
-
-_CHOICES = {
-    "actor.backend": ("fsdp", "megatron"),
-    "rollout.agent_loop": ("single_turn", "tool"),
-    "rollout.log_prob_mode": ("recompute", "bypass"),
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "replay.failure_policy": ("drop", "keep_successful"),
-    "replay.off_policy_strategy": ("drop", "wait"),
-    "trainer.device": ("auto", "cpu", "cuda"),
-}
+    def topology_config(self) -> ParallelSection:
+        """The active backend's parallel section, for ``dispatch.Topology.from_config`` (same as ``actor.parallel``)."""
+        return self.actor.parallel
 
 
 def _get(cfg: RunConfig, dotted: str) -> Any:
@@ -179,10 +173,10 @@ def _get(cfg: RunConfig, dotted: str) -> Any:
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Cross-field checks that no single section can make; each error names the keys to change."""
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            raise ConfigError(f"{key} must be one of {list(choices)}, got {_get(cfg, key)!r}")
+    """Cross-field checks that no single section can make, and the choices named by a registry; each error names
+    the keys to change. (Choices spelled as a ``Literal`` are refused while the sections are built.)"""
+    _check_registered(cfg)
+    _check_reward(cfg)
     positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
                 "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.micro_batch_size_per_gpu",
                 "actor.max_token_len_per_gpu", "trainer.total_steps"]
@@ -196,14 +190,6 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"data.train_batch_size ({d.train_batch_size}) must be a multiple of actor.ppo_mini_batch_size "
             f"({a.ppo_mini_batch_size}) prompts: each step makes train_batch_size / ppo_mini_batch_size optimizer steps"
         )
-    from protocol.algos.advantage import known_advantages
-
-    critic_free = [n for n in known_advantages() if n != "gae"]
-    if cfg.algorithm.adv_estimator not in critic_free:
-        hint = " (gae needs a critic's values, which this trainer does not run)" \
-            if cfg.algorithm.adv_estimator == "gae" else ""
-        raise ConfigError(f"algorithm.adv_estimator must be one of {critic_free}, got "
-                          f"{cfg.algorithm.adv_estimator!r}{hint}")
     if cfg.actor.loss.temperature not in (1.0, cfg.rollout.temperature):
         raise ConfigError(
             f"actor.loss.temperature ({cfg.actor.loss.temperature}) differs from rollout.temperature "
@@ -227,6 +213,43 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"model.max_position_embeddings ({cfg.model.max_position_embeddings})"
         )
     return cfg
+
+
+def _check_registered(cfg: RunConfig) -> None:
+    """Keys whose valid names come from a registry, checked at load time rather than at first use."""
+    from protocol.algos.advantage import known_advantages
+    from protocol.algos.kl import KL_KINDS
+    from protocol.rollout.agent_loop import known_agent_loops
+
+    critic_free = [n for n in known_advantages() if n != "gae"]
+    if cfg.algorithm.adv_estimator not in critic_free:
+        hint = " (gae needs a critic's values, which this trainer does not run)" \
+            if cfg.algorithm.adv_estimator == "gae" else ""
+        raise ConfigError(f"algorithm.adv_estimator must be one of {critic_free}, got "
+                          f"{cfg.algorithm.adv_estimator!r}{hint}")
+    if cfg.algorithm.kl_penalty not in KL_KINDS:
+        raise ConfigError(f"algorithm.kl_penalty must be one of {list(KL_KINDS)}, got {cfg.algorithm.kl_penalty!r}")
+    loops = known_agent_loops()
+    if cfg.rollout.agent_loop not in loops:
+        raise ConfigError(f"rollout.agent_loop must be one of {loops}, got {cfg.rollout.agent_loop!r}")
+
+
+def _check_reward(cfg: RunConfig) -> None:
+    """The reward manager's settings against the data section; the user's reward function is loaded here so that a
+    bad path or name stops the run at start-up."""
+    from protocol.algos.reward import RewardError
+
+    r = cfg.reward
+    if r.overlong_buffer.enable and r.overlong_buffer.len > cfg.data.max_response_length:
+        raise ConfigError(f"reward.overlong_buffer.len ({r.overlong_buffer.len}) exceeds data.max_response_length "
+                          f"({cfg.data.max_response_length})")
+    if r.manager == "batch" and cfg.custom_reward_function.path is None:
+        raise ConfigError("reward.manager=batch needs custom_reward_function.path and .name: a function taking "
+                          "data_sources, solution_strs, ground_truths, extra_infos")
+    try:
+        cfg.custom_reward_function.load(batch=r.manager == "batch")
+    except (RewardError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
@@ -267,6 +290,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     cfg = build_dataclass(RunConfig, data)
     if cfg.model.hf_path:
         cfg.model = _checkpoint_architecture(cfg.model, set((data.get("model") or {}).keys()))
+    from protocol.rollout.tokenizer import resolve_tokenizer
+
+    cfg.data.tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)  # recorded in checkpoints
     return validate(cfg)
 
 

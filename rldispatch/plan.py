@@ -14,7 +14,29 @@ __all__ = ["batch_settings", "StepPlan", "MiniBatchShare", "make_step_plan"]
 
 
 def batch_settings(cfg: RunConfig, topology: Topology, step: int, *, inference: bool = False) -> BatchSettings:
-    """The dispatch settings of the run; ``inference`` makes the whole batch one mini-batch (log-probs)."""
+    """The dispatch settings of the run; ``inference`` makes the whole batch one mini-batch (log-probs).
+
+    The one place run config keys become :class:`dispatch.BatchSettings` fields (dispatch knows no config keys):
+
+    ============================  =======================================  =============================
+    BatchSettings field           run config key                           inference (log-probs)
+    ============================  =======================================  =============================
+    ppo_mini_batch_size           actor.ppo_mini_batch_size                None (one mini-batch)
+    rollout_n                     rollout.n                                same
+    ppo_epochs                    actor.ppo_epochs                         1
+    shuffle                       actor.shuffle                            False
+    seed                          trainer.seed * 100003 + step             same
+    micro_batch_size_per_gpu      actor.micro_batch_size_per_gpu, unless   same
+                                  actor.use_dynamic_bsz
+    max_token_len_per_gpu         actor.max_token_len_per_gpu, if          same
+                                  actor.use_dynamic_bsz
+    group_partition               actor.balance.group_level                same
+    balance                       actor.balance.enabled                    same
+    small_ends                    the topology's pp > 1                    same
+    workload                      actor.balance.hidden_size or             same
+                                  model.hidden_size
+    ============================  =======================================  =============================
+    """
     a = cfg.actor
     hidden = a.balance.hidden_size or cfg.model.hidden_size
     return BatchSettings(

@@ -24,7 +24,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Literal, Mapping, get_args
 
 import torch
 from torch import Tensor
@@ -32,6 +32,7 @@ from torch import Tensor
 from protocol.algos.kl import kl_penalty
 
 __all__ = [
+    "LossAggMode",
     "LOSS_AGG_MODES",
     "LOG_RATIO_BOUND",
     "agg_loss",
@@ -41,8 +42,9 @@ __all__ = [
     "kl_loss",
 ]
 
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                   "seq-mean-token-sum-norm")
+# how per-token losses become one number (config key actor.loss.loss_agg_mode)
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
 # |log(pi / pi_old)| is clamped to this before exp(): the ratio stays within [e^-20, e^20] (finite in fp32/bf16).
 # Such a token is clipped by the PPO clip anyway, so the clamp changes no gradient of a clipped objective.

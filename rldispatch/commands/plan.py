@@ -22,10 +22,8 @@ import numpy as np
 
 from dispatch import (
     DISTRIBUTIONS,
-    DispatchConfigError,
     PlanError,
     Topology,
-    TopologyError,
     build_plan,
     make_padding,
     padding_count,
@@ -76,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        topo = Topology.from_config(cfg.topology_config(), args.world)
+        topo = Topology.from_config(cfg.actor.parallel, args.world)
         settings = batch_settings(cfg, topo, step=0)
         settings.check(topo)
-    except (ConfigError, TopologyError, DispatchConfigError) as exc:
+    except ConfigError as exc:  # every layer's configuration errors subclass it
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 

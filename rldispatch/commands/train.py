@@ -9,12 +9,15 @@ import argparse
 import os
 import sys
 
+from rldispatch.known_warnings import install as install_known_warnings
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file (defaults are embedded; see rldispatch/config.py)")
     parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. actor.backend=megatron actor.megatron.tp=2")
     args = parser.parse_args(argv)
+    install_known_warnings()  # before megatron-core is imported: some of its harmless warnings fire at import
 
     from rldispatch.config import ConfigError, load_config
 
@@ -25,12 +28,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {exc}", file=sys.stderr)
         return 2
 
-    from dispatch import DispatchConfigError, TopologyError
     from rldispatch.grpo import run
 
     try:
         run(cfg)
-    except (ConfigError, DispatchConfigError, TopologyError) as exc:  # settings that only fail against the world size
+    except ConfigError as exc:  # settings that only fail against the world size (topology, batch settings)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -184,3 +184,52 @@ def test_fsdp_rank_map_matches_device_mesh_on_fake_world(sp, rest, fsdp, data):
         assert (c["replicate"], c["shard"]) == tuple(hsdp.get_coordinate())
     finally:
         dist.destroy_process_group()
+
+
+@settings(max_examples=40, deadline=None)
+@given(tp=pow2, pp=pow2, cp=pow2, dp=st.sampled_from([1, 2, 3]), dynamic_cp=st.booleans(),
+       sp=st.sampled_from([1, 2, 4]), fsdp=st.sampled_from([-1, 1, 2]))
+def test_mapping_and_typed_section_build_the_same_topology(tp, pp, cp, dp, dynamic_cp, sp, fsdp):
+    from backends.config import FSDPConfig, MegatronConfig
+    from dispatch import FSDPParallel, MegatronParallel, parallel_section
+
+    world = tp * pp * cp * dp
+    mg = {"tp": tp, "pp": pp, "cp": cp, "dynamic_cp": dynamic_cp}
+    section, job = parallel_section({"backend": "megatron", **mg})
+    assert section == MegatronParallel(**mg) and job == {}
+    typed = Topology.from_config(MegatronParallel(**mg), world)
+    assert typed == Topology.from_config({"backend": "megatron", **mg}, world) \
+        == Topology.from_config(MegatronConfig(**mg, sequence_parallel=True), world)
+    assert typed == Topology(backend="megatron", world_size=world, **mg)
+    world = sp * dp * 2
+    if fsdp != -1 and world % fsdp:
+        return
+    fs = {"ulysses_sp": sp, "fsdp_size": fsdp}
+    typed = Topology.from_config(FSDPParallel(**fs), world, rollout_tp=2)
+    assert typed == Topology.from_config({"backend": "fsdp", "rollout_tp": 2, **fs}, world) \
+        == Topology.from_config(FSDPConfig(**fs, param_dtype="bf16"), world, backend="fsdp", rollout_tp=2)
+    assert typed.rollout_tp == 2 and typed.backend is Backend.FSDP
+
+
+def test_typed_path_refusals_name_what_to_change():
+    from backends.config import FSDPConfig, MegatronConfig
+    from dispatch import FSDPParallel, MegatronParallel
+    from protocol.config import ConfigError
+
+    assert issubclass(FSDPConfig, FSDPParallel) and issubclass(MegatronConfig, MegatronParallel)
+    assert FSDPConfig.backend is Backend.FSDP and MegatronConfig.backend is Backend.MEGATRON
+    with pytest.raises(TopologyError, match="disagrees with the MegatronConfig section"):
+        Topology.from_config(MegatronConfig(), 4, backend="fsdp")
+    with pytest.raises(TopologyError, match="takes an FSDPParallel or MegatronParallel section .* got SimpleNamespace"):
+        import types
+
+        Topology.from_config(types.SimpleNamespace(tp=2, backend="megatron"), 4)
+    with pytest.raises(TopologyError, match="rollout_tp=4 disagrees with the config's rollout_tp=2"):
+        Topology.from_config({"backend": "fsdp", "rollout_tp": 2}, 8, rollout_tp=4)
+    with pytest.raises(TopologyError, match="tp must be a positive int, got int 0"):
+        MegatronParallel(tp=0)  # a section refuses bad degrees when built, before any world size is known
+    with pytest.raises(TopologyError, match="fsdp_size must be -1"):
+        FSDPConfig(fsdp_size=0)
+    # the other backend's degrees at their defaults carry no setting and are accepted
+    assert Topology.from_config({"backend": "fsdp", "tp": 1, "vpp": None}, 2).dp_size == 2
+    assert issubclass(TopologyError, ConfigError)

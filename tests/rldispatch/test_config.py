@@ -12,7 +12,7 @@ def test_shipped_config_loads_and_overrides_apply():
     cfg = load_config(REPO_CONFIG, ["actor.backend=megatron", "actor.megatron.tp=2", "actor.optim.lr=0.5"])
     assert isinstance(cfg, RunConfig)
     assert cfg.actor.backend == "megatron" and cfg.actor.megatron.tp == 2 and cfg.actor.optim.lr == 0.5
-    assert cfg.topology_config()["backend"] == "megatron" and cfg.topology_config()["tp"] == 2
+    assert cfg.topology_config().backend == "megatron" and cfg.topology_config().tp == 2
     eng = cfg.engine_config()
     assert eng.model == cfg.model and eng.optim.lr == 0.5
 
@@ -105,3 +105,111 @@ def test_hf_checkpoint_defines_the_architecture_and_the_start_weights(tmp_path):
         load_config(None, [f"model.hf_path={tmp_path}"])
     with pytest.raises(HFCheckpointError, match="hidden_size: config 64 vs checkpoint 32"):
         initial_model(type(cfg.model)(hf_path=str(tmp_path / "ckpt")), seed=0)
+
+
+def _literal_keys(cls, prefix=""):
+    """Every Literal-typed key of the config tree, dotted, with its choices."""
+    import dataclasses
+    import typing
+
+    from protocol.config import literal_choices
+
+    hints = typing.get_type_hints(cls)
+    out = {f"{prefix}{k}": v for k, v in literal_choices(cls).items()}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_literal_keys(hints[f.name], f"{prefix}{f.name}."))
+    return out
+
+
+def _get_dotted(obj, key):
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_literal_choice_is_accepted_and_anything_else_refused_naming_key_and_choices():
+    from protocol.config import build_dataclass
+
+    keys = _literal_keys(RunConfig)
+    # the choice keys the schema owns (a table that once lived in a _CHOICES dict and in __post_init__s)
+    assert {"actor.backend", "rollout.log_prob_mode", "algorithm.kl_ctrl.type", "replay.failure_policy",
+            "replay.off_policy_strategy", "trainer.device", "actor.optim.name", "actor.optim.lr_schedule",
+            "actor.loss.loss_agg_mode", "actor.fsdp.param_dtype", "actor.fsdp.reduce_dtype",
+            "model.rope_type"} <= set(keys)
+    for key, choices in keys.items():
+        *path, leaf = key.split(".")
+
+        def tree(value):
+            node = {leaf: value}
+            for part in reversed(path):
+                node = {part: node}
+            return node
+
+        for choice in choices:
+            assert _get_dotted(build_dataclass(RunConfig, tree(choice)), key) == choice
+        with pytest.raises(ConfigError) as info:
+            build_dataclass(RunConfig, tree("not-a-choice"))
+        assert str(info.value) == f"{key} must be one of {list(choices)}, got 'not-a-choice'"
+
+
+def test_registry_choices_are_checked_at_load_time():
+    from protocol.algos.kl import KL_KINDS
+
+    with pytest.raises(ConfigError, match=r"algorithm.kl_penalty must be one of \['kl', .*got 'k9'"):
+        load_config(REPO_CONFIG, ["algorithm.kl_penalty=k9"])
+    with pytest.raises(ConfigError, match=r"actor.loss.kl_loss_type must be one of \['kl', .*got 'k9'"):
+        load_config(REPO_CONFIG, ["actor.loss.kl_loss_type=k9"])
+    with pytest.raises(ConfigError, match=r"rollout.agent_loop must be one of \[.*'single_turn'.*got 'react'"):
+        load_config(REPO_CONFIG, ["rollout.agent_loop=react"])
+    for kind in KL_KINDS:
+        cfg = load_config(REPO_CONFIG, [f"algorithm.kl_penalty={kind}", f"actor.loss.kl_loss_type={kind}"])
+        assert cfg.algorithm.kl_penalty == cfg.actor.loss.kl_loss_type == kind
+
+
+def test_sections_built_in_code_check_their_choices_too():
+    from backends.config import EngineConfigError, FSDPConfig, OptimConfig, PolicyLossConfig
+
+    with pytest.raises(EngineConfigError, match=r"actor.optim.name must be one of \['adamw', 'sgd'\], got 'adam'"):
+        OptimConfig(name="adam")
+    with pytest.raises(EngineConfigError, match=r"actor.loss.loss_agg_mode must be one of"):
+        PolicyLossConfig(loss_agg_mode="mean")
+    with pytest.raises(ConfigError, match=r"actor.fsdp.param_dtype must be one of \['auto'"):
+        FSDPConfig(param_dtype="int8")
+
+
+def test_one_config_error_family():
+    from backends.config import EngineConfigError
+    from backends.model.config import ModelConfigError
+    from dispatch import DispatchConfigError, TopologyError
+    from protocol.config import ConfigError as Base
+
+    assert ConfigError is Base
+    for err in (TopologyError, DispatchConfigError, EngineConfigError, ModelConfigError):
+        assert issubclass(err, Base) and issubclass(err, ValueError)
+    with pytest.raises(ConfigError, match=r"actor.fsdp: ulysses_sp must be a positive int, got int 0"):
+        load_config(REPO_CONFIG, ["actor.fsdp.ulysses_sp=0"])
+    with pytest.raises(ConfigError, match=r"actor.megatron: tp must be a positive int"):
+        load_config(REPO_CONFIG, ["actor.megatron.tp=0"])
+
+
+def test_active_parallel_section_builds_the_topology():
+    from dispatch import FSDPParallel, MegatronParallel, Topology
+
+    fsdp = load_config(REPO_CONFIG, ["actor.fsdp.ulysses_sp=2", "actor.megatron.tp=4"])
+    assert isinstance(fsdp.actor.parallel, FSDPParallel) and fsdp.actor.parallel is fsdp.actor.fsdp
+    assert Topology.from_config(fsdp.actor.parallel, 4) == Topology(backend="fsdp", world_size=4, ulysses_sp=2)
+    mg = load_config(REPO_CONFIG, ["actor.backend=megatron", "actor.megatron.tp=2", "actor.megatron.pp=2"])
+    assert isinstance(mg.actor.parallel, MegatronParallel) and mg.topology_config() is mg.actor.megatron
+    assert Topology.from_config(mg.topology_config(), 8).dp_size == 2
+
+
+def test_plan_command_reports_every_config_error_with_exit_2(capsys):
+    from rldispatch.commands.plan import main
+
+    assert main(["--config", REPO_CONFIG, "--world", "8", "actor.backend=megatron", "actor.megatron.tp=3"]) == 2
+    assert "tp*pp*cp = 3*1*1 = 3" in capsys.readouterr().err  # a TopologyError
+    assert main(["--config", REPO_CONFIG, "--world", "3"]) == 2
+    assert "not divisible by the logical DP size 3" in capsys.readouterr().err  # a DispatchConfigError
+    assert main(["--config", REPO_CONFIG, "--world", "2", "actor.optim.name=adam"]) == 2
+    assert "actor.optim.name must be one of" in capsys.readouterr().err  # a schema ConfigError
