@@ -1009,3 +1009,14 @@ def test_unfold_column_chunks():
         data.unfold_column_chunks(3, ["grid"])
     with pytest.raises(BatchSizeMismatchError, match=r"\['labels'\]\[0\] is length 1"):
         data.unfold_column_chunks(2, ["labels"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_serialize_keeps_an_accelerator_device():
+    td = TensorDict({"x": torch.arange(3), "j": to_nested([torch.ones(2), torch.ones(1), torch.ones(0)])},
+                    batch_size=[3], device="cuda")
+    batch_size, device, items = serialize_tensordict(td)
+    assert device.startswith("cuda") and isinstance(items["x"][2], np.ndarray)
+    back = deserialize_tensordict((batch_size, device, items))
+    assert str(back.device) == str(td.device) and back["j"].device.type == "cuda"
+    assert nested_lengths(back["j"]).tolist() == [2, 1, 0] and back["x"].tolist() == [0, 1, 2]
