@@ -35,6 +35,7 @@ def _rng_state() -> dict:
 def save(path: str, model, optimizer, lr_scheduler, step: int, extra_state: dict | None) -> None:
     """Write the sharded model/optimizer (DCP), then scheduler, step and extras (rank 0) and each rank's RNG."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    prepare_checkpoint_dir(path)  # one folder never mixes two saves' shard and RNG files
     dcp.save(state, checkpoint_id=path)
     rank = dist.get_rank()
     if rank == 0:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from backends.checkpoint_dir import prepare_checkpoint_dir
+
 __all__ = ["CheckpointError", "save", "load"]
 
 _STATE_FILE = "engine_state.pt"
@@ -87,10 +89,11 @@ def save(engine, path: str, extra_state: dict) -> None:
 
     _in_process_results_queue()
     rank = dist.get_rank()
+    prepare_checkpoint_dir(path)  # megatron-core expects an empty folder (else: "Overwriting old incomplete ...")
+    dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     if rank == 0:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     torch.save(_rng_state(), os.path.join(path, "rng", f"rank{rank}.pt"))
     if rank == 0:
         torch.save({"step": engine.step, "degrees": _degrees(engine), "extra_state": dict(extra_state)},
