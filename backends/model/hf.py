@@ -63,10 +63,9 @@ def _rope(hf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         bad.append(f"rope type given twice: rope_type={rtype!r}, type={rope['type']!r}")
     if rtype not in _ROPE_KEYS:
         return {}, bad + [f"rope_type={rtype!r} (supported: {sorted(_ROPE_KEYS)})"]
-    for key, value in (("partial_rotary_factor", rope.get("partial_rotary_factor")),
-                       ("partial_rotary_factor", hf.get("partial_rotary_factor"))):
+    for value in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")):
         if value is not None and float(value) != 1.0:
-            bad.append(f"{key}={value} (rotary over the whole head only)")
+            bad.append(f"partial_rotary_factor={value} (rotary over the whole head only)")
     extra = sorted(set(rope) - _ROPE_COMMON - _ROPE_KEYS[rtype] - _ROPE_OPTIONAL.get(rtype, set()))
     if extra:
         bad.append(f"rope keys {extra} with rope_type={rtype!r} (not used by this rope type here)")
@@ -103,14 +102,19 @@ def _sliding(hf: Mapping[str, Any], model_type: str, layers: int) -> list[str]:
     return []
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """ModelConfig from a Hugging Face config dict (transformers 4 or 5 spelling); what the model lacks is refused."""
+def _family(hf: Mapping[str, Any]) -> tuple[str, str]:
+    """(model_type, the architecture as messages name it); an unsupported model_type is refused here."""
     model_type = hf.get("model_type")
-    arch = hf.get("architectures") or [model_type]
-    where = f"Hugging Face config (model_type={model_type!r}, architectures={arch})"
+    where = f"Hugging Face config (model_type={model_type!r}, architectures={hf.get('architectures')})"
     if model_type not in MODEL_TYPES:
         raise HFCheckpointError(f"{where}: model_type={model_type!r} is not supported; supported model types: "
                                 f"{sorted(MODEL_TYPES)}")
+    return model_type, where
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """ModelConfig from a Hugging Face config dict (transformers 4 or 5 spelling); what the model lacks is refused."""
+    model_type, where = _family(hf)
     try:
         layers = int(hf["num_hidden_layers"])
         heads = int(hf["num_attention_heads"])
@@ -261,8 +265,7 @@ def read_hf_config(path: str) -> ModelConfig:
                                 f"nothing is downloaded)")
     with open(cfg_file) as fh:
         raw = json.load(fh)
-    if raw.get("model_type") not in MODEL_TYPES:  # refused before transformers gets to name it its own way
-        config_from_hf(raw)
+    _family(raw)  # an unsupported model_type is refused before transformers reports it its own way
     return dataclasses.replace(config_from_hf(_normalised_config(path, raw)), hf_path=path)
 
 

@@ -292,7 +292,7 @@ def test_model_config_refuses_inconsistent_fields():
 def test_megatron_tp2_pp2_matches_transformers(checkpoints, torchrun):
     """One 4-rank launch: Megatron TP=2 x PP=2 log-probs == transformers per architecture; weights round-trip."""
     pytest.importorskip("megatron.core")
-    names = ["llama3", "qwen2_tied", "qwen3"]
+    names = ["llama3", "llama_linear_tied", "qwen2_tied", "qwen3"]
     for name in names:
         path, hf = checkpoints[name]
         seqs = SEQS[:3]
@@ -303,3 +303,4 @@ def test_megatron_tp2_pp2_matches_transformers(checkpoints, torchrun):
     out = torchrun("megatron_hf_worker.py", 4, *[checkpoints[n][0] for n in names], timeout=300)
     for name in names:
         assert f"OK {name} tp=2 pp=2" in out, out
+    print("\n".join(line for line in out.splitlines() if line.startswith("OK")))  # the measured differences (-s)

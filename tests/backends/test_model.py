@@ -247,11 +247,17 @@ def test_generate_reproducible_eos_and_logprobs_match_recompute():
         generate(model, [[1], []], 2)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_kv_cached_decode_matches_full_recompute(tied):
+@pytest.mark.parametrize("tied,arch", [(False, {}), (True, {}), (True, dict(model_type="qwen2", qkv_bias=True)),
+                                       (False, dict(model_type="qwen3", qk_norm=True, head_dim=12, rope_type="llama3",
+                                                    rope_factor=4.0, rope_original_max_position_embeddings=16))])
+def test_kv_cached_decode_matches_full_recompute(tied, arch):
     cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=tied)
+                      num_kv_heads=2, tie_word_embeddings=tied, **arch)
     model = LlamaModel.from_seed(cfg, 2)
+    with torch.no_grad():  # biases and norms away from their 0 / 1 init so the cached path must apply them
+        for n, p in model.named_parameters():
+            if n.endswith(".bias") or "_norm." in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.3)
     prompts = [[1, 2, 3, 4, 5], [6], [7, 8]]
     greedy_c, lp_c = generate(model, prompts, 7, temperature=0.0)
     greedy_n, lp_n = generate(model, prompts, 7, temperature=0.0, use_cache=False)
