@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from backends.checkpoint_dir import prepare_checkpoint_dir
 
-__all__ = ["save", "load", "full_weights", "load_full_weights", "load_hf_shards", "local_rows", "CheckpointError"]
+__all__ = ["save", "load", "full_weights", "load_full_weights", "load_hf_shards", "local_rows", "read_model_weights",
+           "CheckpointError"]
 
 ENGINE_STATE = "engine_state.pt"
 
@@ -146,3 +148,25 @@ def load_hf_shards(model, path: str) -> int:
             local.copy_(rows.to(local.dtype))
             read += rows.numel() * rows.element_size()
     return read
+
+
+def read_model_weights(path: str) -> dict[str, torch.Tensor]:
+    """The full model weights (project names) of a checkpoint written by :func:`save`, read in this process alone.
+
+    No process group is needed and any saving world size works: DCP stores each parameter as a global tensor.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not os.path.isfile(os.path.join(path, ENGINE_STATE)):
+        raise CheckpointError(f"{path!r} is not an FSDP engine checkpoint: {ENGINE_STATE} is missing")
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = "model."
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    if not state:
+        raise CheckpointError(f"{path!r} holds no model weights (no '{prefix}*' entries in its DCP metadata)")
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {k[len(prefix):]: v for k, v in state.items()}

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from backends.checkpoint_dir import prepare_checkpoint_dir
 
-__all__ = ["CheckpointError", "save", "load"]
+__all__ = ["CheckpointError", "save", "load", "read_model_weights"]
 
 _STATE_FILE = "engine_state.pt"
 
@@ -141,3 +141,46 @@ def load(engine, path: str) -> dict:
     engine.step = int(meta["step"])
     dist.barrier()
     return dict(meta["extra_state"])
+
+
+_LAYERS = "decoder.layers."
+
+
+def read_model_weights(path: str, cfg) -> dict[str, torch.Tensor]:
+    """The full model weights (project names) of a checkpoint written by :func:`save`, read in this process alone.
+
+    megatron-core's ``torch_dist`` format stores every weight as one global tensor whatever the TP/PP/VPP degrees
+    (TP shards concatenated, per-layer weights stacked along a leading global-layer axis), so no process group and
+    no megatron parallel state are needed: the stacked layers are split and converted with tp = 1.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    import torch.distributed.checkpoint as dcp
+    import warnings
+
+    from backends.megatron.convert import from_megatron_shards
+    from backends.megatron.engine import _TE_RENAMES
+
+    if not os.path.isfile(os.path.join(path, _STATE_FILE)):
+        raise CheckpointError(f"{path!r} is not a megatron engine checkpoint: {_STATE_FILE} is missing")
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.") and "_extra_state" not in k}
+    if not any(k.startswith(_LAYERS) for k in state):
+        raise CheckpointError(f"{path!r} holds no decoder layers ({_LAYERS}*) in its dist-checkpoint metadata")
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    canonical = {te: local for local, te in _TE_RENAMES.items()}  # TE specs fuse the pre-norms into the linears
+    flat: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        if not key.startswith(_LAYERS):
+            flat[key] = t
+            continue
+        suffix = canonical.get(key[len(_LAYERS):], key[len(_LAYERS):])
+        if t.shape[0] != cfg.num_layers:
+            raise CheckpointError(f"{key} stacks {t.shape[0]} layers, the model config has num_layers="
+                                  f"{cfg.num_layers}")
+        for i in range(cfg.num_layers):
+            flat[f"{_LAYERS}{i}.{suffix}"] = t[i]
+    return from_megatron_shards([flat], cfg, layers=list(range(cfg.num_layers)))

@@ -1,8 +1,9 @@
 """Batched autoregressive sampling for rollout: temperature, top-p, EOS, with the sampling log-probs."""
 from __future__ import annotations
 
-import torch
+from collections.abc import Collection
 
+import torch
 import torch.nn.functional as F
 
 from backends.model.attention import packed_attention
@@ -94,15 +95,17 @@ def _decode(model: LlamaModel, tokens: torch.Tensor, cache: KVCache) -> torch.Te
 
 @torch.no_grad()
 def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, eos_token_id: int | None = None, seed: int | None = None,
+             top_p: float = 1.0, eos_token_id: int | Collection[int] | None = None, seed: int | None = None,
              generator: torch.Generator | None = None, use_cache: bool = True
              ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample continuations for every prompt at once: a KV-cached decode (or, with ``use_cache=False``, a packed
     forward over everything each step).
 
-    Returns (response token lists, log-prob lists); a response stops after ``eos_token_id`` (kept) or at
-    ``max_new_tokens``. Sampling is reproducible from ``seed`` or ``generator``.
+    Returns (response token lists, log-prob lists); a response stops after any of ``eos_token_id`` (one id or
+    several, e.g. ``<|im_end|>`` and ``<|endoftext|>``; the stop token is kept) or at ``max_new_tokens``.
+    Sampling is reproducible from ``seed`` or ``generator``.
     """
+    stops = _stop_set(eos_token_id)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not 0.0 < top_p <= 1.0:
@@ -124,8 +127,7 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, t
     active = list(range(len(prompts)))
     if use_cache and prompts and max_new_tokens > 0:
         try:
-            return _generate_cached(model, prompts, max_new_tokens, temperature, top_p, eos_token_id, generator,
-                                    device)
+            return _generate_cached(model, prompts, max_new_tokens, temperature, top_p, stops, generator, device)
         finally:
             model.train(was_training)
     try:
@@ -144,7 +146,7 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, t
                 seqs[i].append(t)
                 outs[i].append(t)
                 lps[i].append(float(lp[j]))
-                if eos_token_id is None or t != eos_token_id:
+                if t not in stops:
                     still.append(i)
             active = still
     finally:
@@ -152,7 +154,18 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, t
     return outs, lps
 
 
-def _generate_cached(model, prompts, max_new_tokens, temperature, top_p, eos_token_id, generator, device):
+def _stop_set(eos_token_id: int | Collection[int] | None) -> frozenset[int]:
+    """The stop ids as a set; an id that is not a non-negative int is an error naming it."""
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        raise ValueError(f"eos_token_id must be an int >= 0 or a collection of them, got {eos_token_id!r}")
+    return frozenset(ids)
+
+
+def _generate_cached(model, prompts, max_new_tokens, temperature, top_p, stops, generator, device):
     dtype = next(model.parameters()).dtype
     cap = max(len(p) for p in prompts) + max_new_tokens
     cache = KVCache(model, len(prompts), cap, device, dtype)
@@ -167,7 +180,7 @@ def _generate_cached(model, prompts, max_new_tokens, temperature, top_p, eos_tok
                 continue
             outs[i].append(t)
             lps[i].append(l)
-            if eos_token_id is not None and t == eos_token_id:
+            if t in stops:
                 done[i] = True
         if all(done) or step == max_new_tokens - 1:
             break
