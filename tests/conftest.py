@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-__all__ = ["run_torchrun", "launched_pids", "HYPOTHESIS_PROFILES", "LAUNCH_MARKER_ENV"]
+__all__ = ["run_torchrun", "run_process_tree", "launched_pids", "HYPOTHESIS_PROFILES", "LAUNCH_MARKER_ENV"]
 
 REPO = Path(__file__).resolve().parent.parent
 DIST_DIR = Path(__file__).resolve().parent / "dist"
@@ -139,27 +139,21 @@ def _read(f) -> str:
     return f.read().decode(errors="replace")
 
 
-def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
-    """Run ``script`` (a path, or a file name under tests/dist/) on ``nproc`` local ranks; return its stdout.
+def run_process_tree(cmd: list[str], *, timeout: float, env: dict | None = None, cwd: str | Path = REPO,
+                     what: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` and every process it starts as one unit; return its exit status and output (text).
 
-    Fails the calling test with the workers' output when the launch exits non-zero or times out. torchrun starts in
-    a session of its own; on timeout, on any exception (pytest-timeout, Ctrl-C) and after every exit, torchrun and
-    all of its workers are SIGKILLed, so no worker outlives the test.
+    The command starts in a session of its own with a marker in its environment. On timeout, on any exception
+    (pytest-timeout, Ctrl-C) and after every exit, the command and all of its descendants are SIGKILLed, whatever
+    session they moved to. Fails the calling test on timeout, or when a process outlived the command. ``env`` is
+    added to the current environment.
     """
-    path = Path(script)
-    if not path.is_absolute():
-        path = DIST_DIR / path
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        str(path), *map(str, args),
-    ]
+    what = what or Path(cmd[0]).name
     marker = uuid.uuid4().hex
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {}),
-                LAUNCH_MARKER_ENV: marker}
+    full_env = {**os.environ, **(env or {}), LAUNCH_MARKER_ENV: marker}
     # output goes to files, not pipes: a leaked process holding a pipe open would keep the read from ending
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, cwd=cwd, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
             timed_out = False
@@ -171,18 +165,44 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 30
         leftover = _kill_launch(proc, marker)
         stdout, stderr = (_read(f) for f in (out, err))
     if timed_out:
-        pytest.fail(f"torchrun {path.name} x{nproc} timed out after {timeout}s (killed torchrun and workers "
-                    f"{leftover})\nSTDOUT:\n{stdout[-6000:]}\nSTDERR:\n{stderr[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun {path.name} x{nproc} exited {proc.returncode}\nSTDOUT:\n{stdout[-6000:]}\n"
-                    f"STDERR:\n{stderr[-6000:]}")
+        pytest.fail(f"{what} timed out after {timeout}s (killed it and the processes {leftover})\n"
+                    f"STDOUT:\n{stdout[-6000:]}\nSTDERR:\n{stderr[-6000:]}")
     if leftover:
-        pytest.fail(f"torchrun {path.name} x{nproc} exited 0 but left worker processes {leftover} running "
-                    f"(killed)\nSTDOUT:\n{stdout[-6000:]}\nSTDERR:\n{stderr[-6000:]}")
-    return stdout
+        pytest.fail(f"{what} exited {proc.returncode} but left processes {leftover} running (killed)\n"
+                    f"STDOUT:\n{stdout[-6000:]}\nSTDERR:\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
+    """Run ``script`` (a path, or a file name under tests/dist/) on ``nproc`` local ranks; return its stdout.
+
+    Fails the calling test with the workers' output when the launch exits non-zero, times out or leaves a process
+    behind; torchrun and all of its workers go down together (see :func:`run_process_tree`).
+    """
+    path = Path(script)
+    if not path.is_absolute():
+        path = DIST_DIR / path
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+        str(path), *map(str, args),
+    ]
+    what = f"torchrun {path.name} x{nproc}"
+    proc = run_process_tree(cmd, timeout=timeout, what=what,
+                            env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
+    if proc.returncode != 0:
+        pytest.fail(f"{what} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\n"
+                    f"STDERR:\n{proc.stderr[-6000:]}")
+    return proc.stdout
 
 
 @pytest.fixture
 def torchrun():
     """The :func:`run_torchrun` launcher as a fixture."""
     return run_torchrun
+
+
+@pytest.fixture
+def process_tree():
+    """:func:`run_process_tree` as a fixture: for tests that start a script which itself launches processes."""
+    return run_process_tree
