@@ -1,4 +1,13 @@
-"""The run's typed configuration: YAML + dot-list overrides, validated once at start-up."""
+"""The run's typed configuration: YAML + dot-list overrides, validated once at start-up.
+
+Each section is a dataclass defined once, at its owner: ``model`` (backends.model.config.ModelConfig),
+``actor.optim`` / ``actor.loss`` (backends.config), ``actor.fsdp`` / ``actor.megatron`` (backends.config,
+extending dispatch.topology's FSDPParallel / MegatronParallel with the engine-only keys); the run's own
+sections live here. :func:`load_config` builds them with :func:`protocol.config.build_dataclass`, which refuses
+unknown keys, wrong types and values outside a ``Literal`` naming the dotted key; :func:`validate` then checks
+what needs several sections and the choices named by a registry (advantage estimators, KL estimators, agent
+loops). Every error is a :class:`ConfigError` (topology and batch-settings errors subclass it too).
+"""
 from __future__ import annotations
 
 import dataclasses
