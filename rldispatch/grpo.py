@@ -52,7 +52,7 @@ from rldispatch.metrics import (
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, make_step_plan
 from rldispatch.rollout import RolloutWorker
-from rldispatch.schema import to_plain
+from protocol.config import to_plain
 from rldispatch.trace import TraceRecorder
 
 __all__ = ["GRPOTrainer", "run", "NoUsableGroupsError"]
@@ -159,7 +159,7 @@ class GRPOTrainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.topology = Topology.from_config(cfg.topology_config(), ctx.world)
+        self.topology = Topology.from_config(cfg.actor.parallel, ctx.world)
         self.dp_rank = self.topology.dp_rank(ctx.rank)
         self.reporting = self.topology.is_reporting(ctx.rank)
         batch_settings(cfg, self.topology, step=0).check(self.topology)  # refuse undividable batches before rollout
@@ -435,7 +435,7 @@ class GRPOTrainer:
         return distributed_masked_stats(kl_vals, pad, "kl", device=self.ctx.device)
 
     def _compute_advantage(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        st.metrics.update(self._advantage(st.own, st.own_pad))
+        self._advantage(st.own, st.own_pad)
         self.store.sync()
         self._trace("advantage", st.sampled, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
         if self.cfg.debug.check_invariants:
@@ -498,7 +498,7 @@ class GRPOTrainer:
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
             self.store.kv_batch_put(pad, TRAIN, TensorDict({"old_log_probs": to_nested(zeros)}, batch_size=[len(pad)]))
 
-    def _advantage(self, own: list[str], pad: torch.Tensor) -> dict[str, float]:
+    def _advantage(self, own: list[str], pad: torch.Tensor) -> None:
         """On the rank that holds each group (all of a group is generated on one rank): rewards, advantages.
 
         Old and reference log-probs travel here only when the KL penalty enters the reward.
@@ -507,7 +507,6 @@ class GRPOTrainer:
         in_reward = cfg.algorithm.use_kl_in_reward  # config validation guarantees a reference
         need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else [])
         td = self.store.fetch(own, TRAIN, need)
-        out: dict[str, float] = {}
         if own:
             lengths = nested_lengths(td["response_mask"])
             mask = jagged_to_padded(td["response_mask"]).float()
@@ -531,7 +530,6 @@ class GRPOTrainer:
                       "advantages": padded_to_jagged(adv.float(), lengths),
                       "returns": padded_to_jagged(ret.float(), lengths)}
             self.store.kv_batch_put(own, TRAIN, TensorDict(fields, batch_size=[len(own)]))
-        return out
 
     def _sample_metrics(self, own: list[str], pad: torch.Tensor) -> dict[str, float]:
         """Response and policy length statistics over real samples (padding excluded), over all ranks."""
