@@ -4,22 +4,22 @@ Every DP rank must receive the same number of samples (so that every rank runs t
 steps), and the slowest rank sets the step time, so the goal is: split ``n`` workloads into ``k`` sets of
 exactly ``n / k`` items each, minimising the largest set sum.
 
-:func:`balance_partitions` runs two constructions and a repair pass, and keeps the best:
+:func:`balance_partitions` runs:
 
-1. *greedy with a cardinality cap*: heaviest item first, each to the currently lightest set that still has
-   room for it (a set holds at most ``n / k``);
-2. *equal-size Karmarkar–Karp* (largest differencing): start from ``n / k`` partial solutions of ``k``
-   singleton sets (consecutive items in sorted order), repeatedly merge the two partial solutions with the
-   largest spread by pairing the heaviest set of one with the lightest set of the other;
-3. *swap repair* of each: while some 1-for-1 exchange between the heaviest set and a lighter set lowers
-   the pair's maximum, apply the best such exchange (for sets of at most 8 items, fall back to the exact
-   best equal-count re-split of the pair). Each move strictly lowers the sorted load vector, so it
-   terminates and never raises the maximum. The construction that already meets the lower bound stops
-   the search early.
+1. *equal-size Karmarkar–Karp* (largest differencing, :func:`differencing_partitions`): ``n / k`` partial
+   solutions of ``k`` singleton sets (consecutive items in sorted order), the two with the largest spread
+   merged repeatedly, the heaviest set of one joining the lightest set of the other. Ties are broken exactly
+   as verl's ``karmarkar_karp`` breaks them, so this *is* verl's partition;
+2. *swap repair* within a budget of ``max(8, k)`` exchanges (O(n) work in all): while a 1-for-1 exchange
+   between the heaviest and the lightest set lowers their maximum, apply the one whose weight difference is
+   closest to half their gap. The repaired partition replaces KK's only if its maximum is strictly lower.
 
-The result is never worse than equal-size Karmarkar–Karp (it is one of the candidates and repair only
-lowers the maximum). :func:`lower_bound` gives a value no equal-count partition can beat (the mean, the
-heaviest item plus the ``n/k - 1`` lightest, and its generalisation to the ``j`` heaviest items).
+So the result is never worse than verl's equal-size Karmarkar–Karp on the same input, and costs less than
+verl's own implementation of it (``scripts/bench_balance.py`` times both). The repair stops as soon as the
+maximum is within 1e-4 of :func:`lower_bound` (a value no equal-count partition can beat: the mean, the heaviest
+item plus the ``n/k - 1`` lightest, and its generalisation to the ``j`` heaviest items). With two items per part
+the KK pairing (i-th heaviest with i-th lightest) is optimal and is returned as is. :func:`refine_partitions` is
+the unbudgeted, thorough local search; :func:`greedy_partitions` the cardinality-capped greedy.
 
 Example::
 
@@ -28,6 +28,7 @@ Example::
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -40,6 +41,7 @@ __all__ = [
     "PartitionError",
     "balance_partitions",
     "karmarkar_karp",
+    "differencing_partitions",
     "greedy_partitions",
     "contiguous_partitions",
     "refine_partitions",
@@ -95,10 +97,12 @@ def lower_bound(workloads: Sequence[float] | np.ndarray, num_parts: int) -> floa
     least ``P_j = w_{j-1} + w_j + the (m-2) smallest`` (impossible when ``m = 1``). ``B_1 = w_1 + the m-1
     smallest`` is the familiar single-item bound.
     """
-    w = _as_weights(workloads, num_parts)
+    return _lower_bound(_as_weights(workloads, num_parts), num_parts)
+
+
+def _lower_bound(w: np.ndarray, k: int) -> float:
     if w.size == 0:
         return 0.0
-    k = num_parts
     m = w.size // k
     asc = np.sort(w)
     desc = asc[::-1]
@@ -153,69 +157,153 @@ def greedy_partitions(workloads: Sequence[float] | np.ndarray, num_parts: int) -
 
 
 def karmarkar_karp(workloads: Sequence[float] | np.ndarray, num_parts: int) -> list[list[int]]:
-    """Equal-size Karmarkar–Karp (largest differencing method), written from its definition.
+    """Equal-size Karmarkar–Karp (largest differencing method), each part sorted ascending.
 
-    Sort the items; every run of ``k`` consecutive items is a partial solution of ``k`` singleton sets.
-    Repeatedly take the two partial solutions with the largest spread (max set sum - min set sum) and
-    merge them, joining the heaviest set of one with the lightest set of the other, and so on.
+    The partition is the one of :func:`differencing_partitions` with ``equal_size=True``: the same sets as verl's
+    ``karmarkar_karp`` on the same input, tie-breaking included.
     """
     w = _as_weights(workloads, num_parts)
-    k = num_parts
     if w.size == 0:
-        return [[] for _ in range(k)]
-    order = np.argsort(w, kind="stable")
-    if k <= 16:
-        return _kk_small(w.tolist(), order.tolist(), k)
-    return _kk_arrays(w, order, k)
+        return [[] for _ in range(num_parts)]
+    return [sorted(p) for p in _differencing(w, num_parts, True)]
 
 
-def _kk_arrays(w: np.ndarray, order: np.ndarray, k: int) -> list[list[int]]:
-    """Karmarkar–Karp on numpy arrays: faster when each partial solution has many sets."""
-    heap: list[tuple[float, int, np.ndarray, np.ndarray]] = []
-    for c, start in enumerate(range(0, w.size, k)):
-        chunk = order[start:start + k]
+def differencing_partitions(workloads: Sequence[float] | np.ndarray, num_parts: int,
+                            equal_size: bool = True) -> list[list[int]]:
+    """Karmarkar–Karp (largest differencing) partitions, in the method's own order.
+
+    Items are ranked ascending by ``(workload, position)``. With ``equal_size`` every run of ``num_parts``
+    consecutive ranked items is a partial solution of singleton sets (``n`` must be a multiple of ``num_parts``);
+    otherwise every item is a solution of one singleton and ``num_parts - 1`` empty sets. A solution keeps its sets
+    in descending order of ``(sum, item count, first item's position)``; the solution with the largest spread (top
+    sum - bottom sum, ties to the larger top set) absorbs the next one, its ``i``-th set joining the other's
+    ``(k-1-i)``-th. Returns the final sets in descending order, each listing its positions in the order they joined.
+    This ordering is what makes the result reproducible across implementations (it is verl's).
+    """
+    if not isinstance(equal_size, bool):
+        raise PartitionError(f"equal_size must be a bool, got {equal_size!r}")
+    if equal_size:
+        w = _as_weights(workloads, num_parts)
+    else:
+        w = _as_weights(workloads, 1)
+        if isinstance(num_parts, bool) or not isinstance(num_parts, (int, np.integer)) or num_parts < 1:
+            raise PartitionError(f"num_parts must be a positive int, got {num_parts!r}")
+    if w.size == 0:
+        return [[] for _ in range(num_parts)]
+    return _differencing(w, int(num_parts), equal_size)
+
+
+def _differencing(w: np.ndarray, k: int, equal_size: bool) -> list[list[int]]:
+    wl = w.tolist()
+    order = np.argsort(w, kind="stable").tolist()  # ascending (workload, position)
+    if k == 2:
+        return _differencing_two(wl, order, equal_size)
+    if equal_size and k >= _ARRAY_KK_PARTS:
+        return _differencing_arrays(w, np.asarray(order, dtype=np.int64), k)
+    return _differencing_many(wl, order, k, equal_size)
+
+
+_ARRAY_KK_PARTS = 8  # from this many sets per solution, numpy rows beat Python lists
+
+
+def _differencing_arrays(w: np.ndarray, order: np.ndarray, k: int) -> list[list[int]]:
+    """Equal-size solutions as numpy rows: every set of a solution holds the same count, so the members of a
+    solution form a (k, count) matrix and the sets order by ``(sum, first position)`` alone."""
+    heap: list[tuple] = []
+    for c, start in enumerate(range(0, order.size, k)):
+        chunk = order[start:start + k][::-1]
         sums = w[chunk]
-        heapq.heappush(heap, (-(float(sums.max() - sums.min())), c, sums, chunk[:, None]))
+        heap.append((float(sums[-1] - sums[0]), -float(sums[0]), -1, -int(chunk[0]), c, sums, chunk, chunk[:, None]))
+    heapq.heapify(heap)
     tick = len(heap)
+    pop, push = heapq.heappop, heapq.heappush
     while len(heap) > 1:
-        _, _, s1, m1 = heapq.heappop(heap)
-        _, _, s2, m2 = heapq.heappop(heap)
-        o1 = np.argsort(-s1, kind="stable")  # heaviest set of one solution ...
-        o2 = np.argsort(s2, kind="stable")  # ... joins the lightest set of the other
-        sums = s1[o1] + s2[o2]
-        members = np.concatenate([m1[o1], m2[o2]], axis=1)
-        heapq.heappush(heap, (-(float(sums.max() - sums.min())), tick, sums, members))
+        a = pop(heap)
+        b = pop(heap)
+        sums = a[5] + b[5][::-1]
+        firsts = a[6]
+        rank = np.lexsort((firsts, sums))[::-1]  # descending by (sum, first position)
+        sums, firsts = sums[rank], firsts[rank]
+        members = np.concatenate([a[7], b[7][::-1]], axis=1)[rank]
+        push(heap, (float(sums[-1] - sums[0]), -float(sums[0]), a[2] + b[2], -int(firsts[0]), tick, sums, firsts,
+                    members))
         tick += 1
-    return [sorted(row) for row in heap[0][3].tolist()]
+    return heap[0][7].tolist()
 
 
-def _kk_small(w: list[float], order: list[int], k: int) -> list[list[int]]:
-    """The same method on plain lists: faster when each partial solution has only a few sets."""
-    heap: list[tuple[float, int, list[float], list]] = []
-    for c, start in enumerate(range(0, len(order), k)):
-        chunk = order[start:start + k]  # ascending weights
-        heapq.heappush(heap, (-(w[chunk[-1]] - w[chunk[0]]), c, [w[i] for i in chunk], [[i] for i in chunk]))
-    tick = len(heap)
+def _differencing_two(wl: list[float], order: list[int], equal_size: bool) -> list[list[int]]:
+    """Two sets per solution, kept as scalars: (heap key, top sum/count/first/tree, bottom sum/count/first/tree)."""
+    heap: list[tuple] = []
+    if equal_size:
+        for c in range(0, len(order), 2):
+            lo, hi = order[c], order[c + 1]
+            ts, bs = wl[hi], wl[lo]
+            heap.append((bs - ts, -ts, -1, -hi, ts, 1, hi, bs, 1, lo, hi, lo))
+    else:
+        for i in order:
+            v = wl[i]
+            heap.append((-v, -v, -1, -i, v, 1, i, 0.0, 0, -1, i, None))
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     while len(heap) > 1:
-        _, _, s1, m1 = heapq.heappop(heap)
-        _, _, s2, m2 = heapq.heappop(heap)
-        o1 = sorted(range(k), key=lambda j: -s1[j])  # heaviest set of one solution ...
-        o2 = sorted(range(k), key=lambda j: s2[j])  # ... joins the lightest set of the other
-        sums = [s1[x] + s2[y] for x, y in zip(o1, o2)]
-        members = [(m1[x], m2[y]) for x, y in zip(o1, o2)]  # a tree of joins, flattened once at the end
-        heapq.heappush(heap, (-(max(sums) - min(sums)), tick, sums, members))
+        a = pop(heap)
+        b = pop(heap)
+        xs, xl, xf = a[4] + b[7], a[5] + b[8], a[6]  # a's top joins b's bottom
+        xt = a[10] if b[11] is None else (a[10], b[11])
+        ys, yl = a[7] + b[4], a[8] + b[5]  # a's bottom joins b's top
+        yf = a[9] if a[8] else b[6]
+        yt = b[10] if a[11] is None else (a[11], b[10])
+        if (xs, xl, xf) > (ys, yl, yf):
+            push(heap, (ys - xs, -xs, -xl, -xf, xs, xl, xf, ys, yl, yf, xt, yt))
+        else:
+            push(heap, (xs - ys, -ys, -yl, -yf, ys, yl, yf, xs, xl, xf, yt, xt))
+    s = heap[0]
+    return [_flatten(s[10]), _flatten(s[11])]
+
+
+def _differencing_many(wl: list[float], order: list[int], k: int, equal_size: bool) -> list[list[int]]:
+    """``k`` sets per solution as parallel lists (sums, counts, first positions, members), descending."""
+    heap: list[tuple] = []
+    if equal_size:
+        for c, start in enumerate(range(0, len(order), k)):
+            chunk = order[start:start + k][::-1]
+            sums = [wl[i] for i in chunk]
+            heap.append((sums[-1] - sums[0], -sums[0], -1, -chunk[0], c, sums, [1] * k, chunk, [[i] for i in chunk]))
+    else:
+        zeros, ones, firsts = [0.0] * (k - 1), [0] * (k - 1), [-1] * (k - 1)
+        for c, i in enumerate(order):
+            v = wl[i]
+            spread = v if k > 1 else 0.0  # against the empty sets
+            heap.append((-spread, -v, -1, -i, c, [v] + zeros, [1] + ones, [i] + firsts, [[i]] + [[] for _ in ones]))
+    heapq.heapify(heap)
+    tick = len(heap)
+    rk = range(k)
+    pop, push = heapq.heappop, heapq.heappush
+    while len(heap) > 1:
+        a = pop(heap)
+        b = pop(heap)
+        s0, l0, f0, m0 = a[5], a[6], a[7], a[8]
+        s1, l1, f1, m1 = b[5][::-1], b[6][::-1], b[7][::-1], b[8][::-1]
+        rows = sorted([(s0[i] + s1[i], l0[i] + l1[i], f0[i] if l0[i] else f1[i], i) for i in rk], reverse=True)
+        sums = [r[0] for r in rows]
+        mem = [m0[r[3]] + m1[r[3]] for r in rows]
+        top = rows[0]
+        push(heap, (sums[-1] - sums[0], -top[0], -top[1], -top[2], tick, sums, [r[1] for r in rows],
+                    [r[2] for r in rows], mem))
         tick += 1
-    return [sorted(_flatten(m)) for m in heap[0][3]]
+    return heap[0][8]
 
 
 def _flatten(tree) -> list[int]:
+    """Positions of a join tree (nested pairs of positions) in join order."""
     out, stack = [], [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, tuple):
-            stack.extend(node)
-        else:
-            out.extend(node)
+        if type(node) is tuple:
+            stack.append(node[1])
+            stack.append(node[0])
+        elif node is not None:
+            out.append(node)
     return out
 
 
@@ -306,6 +394,13 @@ def refine_partitions(workloads: Sequence[float] | np.ndarray, parts: Sequence[S
     w = _as_weights(workloads, max(k, 1))
     if k <= 1 or w.size == 0:
         return [sorted(int(i) for i in p) for p in parts]
+    limit = max_swaps if max_swaps is not None else 8 * w.size + 16
+    return _refine(w, parts, limit, lower_bound(w, k) * (1.0 + tolerance))
+
+
+def _refine(w: np.ndarray, parts: Sequence[Sequence[int]], limit: int, floor: float) -> list[list[int]]:
+    """:func:`refine_partitions` with the swap budget and the stopping load given."""
+    k = len(parts)
     idx = np.asarray([list(p) for p in parts], dtype=np.int64)  # (k, m)
     if idx.size != w.size or not np.array_equal(np.sort(idx.ravel()), np.arange(w.size)):
         raise PartitionError(f"parts must cover positions 0..{w.size - 1} exactly once")
@@ -315,9 +410,8 @@ def refine_partitions(workloads: Sequence[float] | np.ndarray, parts: Sequence[S
     wt = np.take_along_axis(wt, order, axis=1)
     m = wt.shape[1]
     loads = wt.sum(axis=1)
-    limit = max_swaps if max_swaps is not None else 8 * w.size + 16
     eps = 1e-12 * max(float(loads.max()), 1.0)
-    floor = lower_bound(w, k) * (1.0 + tolerance) + eps
+    floor = floor + eps
     for _ in range(limit):
         h = int(np.argmax(loads))
         if loads[h] <= floor:
@@ -345,26 +439,86 @@ def refine_partitions(workloads: Sequence[float] | np.ndarray, parts: Sequence[S
 def balance_partitions(workloads: Sequence[float] | np.ndarray, num_parts: int) -> list[list[int]]:
     """Split ``range(n)`` into ``num_parts`` parts of exactly ``n / num_parts`` indices with a small maximum load.
 
-    Requires ``n`` divisible by ``num_parts``. Deterministic; each part is sorted ascending. Never worse than
-    :func:`karmarkar_karp` (equal-size) on the same input: Karmarkar–Karp runs as a second candidate unless
-    the first already meets :func:`lower_bound`, which no partition can beat.
+    Requires ``n`` divisible by ``num_parts``. Deterministic; each part is sorted ascending and the parts are
+    ordered by their first index. Never worse than :func:`karmarkar_karp` (verl's equal-size Karmarkar–Karp
+    partition) on the same input: that partition is the incumbent, replaced only by a lower maximum.
     """
     w = _as_weights(workloads, num_parts)
-    if num_parts == 1:
+    k = num_parts
+    if k == 1:
         return [list(range(w.size))]
-    if w.size == 0:
-        return [[] for _ in range(num_parts)]
-    best = refine_partitions(w, greedy_partitions(w, num_parts))
-    best_max = max(partition_loads(w, best))
-    bound = lower_bound(w, num_parts)
-    if best_max <= bound * (1 + 1e-12):
+    m = w.size // k
+    if m == 0:
+        return [[] for _ in range(k)]
+    if m == 1:
+        return [[i] for i in range(w.size)]
+    best = [sorted(p) for p in _differencing(w, k, True)]
+    if m > 2:  # with two items per part KK pairs the i-th heaviest with the i-th lightest, which is optimal
+        best = _improve(w, k, best)
+    return sorted(best, key=lambda p: p[0])
+
+
+def _improve(w: np.ndarray, k: int, best: list[list[int]]) -> list[list[int]]:
+    """A budgeted swap repair of the KK partition, kept only where it lowers the maximum."""
+    best_max = _max_load(w, best)
+    stop = _lower_bound(w, k) * (1 + _TOLERANCE)
+    if best_max <= stop:
         return best
-    kk = karmarkar_karp(w, num_parts)
-    for cand in (kk, refine_partitions(w, kk)):
-        cand_max = max(partition_loads(w, cand))
-        if cand_max < best_max:
-            best, best_max = cand, cand_max
-    return best
+    cand = _quick_repair(w, best, max(_MIN_SWAPS, int(_SWAPS_PER_PART * k)), stop)
+    return cand if _max_load(w, cand) < best_max else best
+
+
+def _max_load(w: np.ndarray, parts: list[list[int]]) -> float:
+    return float(w[np.asarray(parts, dtype=np.int64)].sum(axis=1).max())
+
+
+def _quick_repair(w: np.ndarray, parts: list[list[int]], swaps: int, stop: float) -> list[list[int]]:
+    """At most ``swaps`` 1-for-1 exchanges between the heaviest and the lightest part, each the one whose weight
+    difference is closest to half their gap (both then end below the old maximum). Plain lists: a two-pointer scan
+    of the two sorted parts costs O(items per part) per exchange."""
+    wl = w.tolist()
+    rows = [sorted(p, key=wl.__getitem__) for p in parts]
+    vals = [[wl[i] for i in r] for r in rows]
+    loads = [sum(v) for v in vals]
+    k, m = len(rows), len(rows[0])
+    eps = 1e-12 * max(max(loads), 1.0)
+    ks = range(k)
+    for _ in range(swaps):
+        h = max(ks, key=loads.__getitem__)
+        if loads[h] <= stop:
+            break
+        o = min(ks, key=loads.__getitem__)
+        gap = loads[h] - loads[o]
+        half = gap / 2.0
+        hv, ov = vals[h], vals[o]
+        best, best_score, b = None, math.inf, 0
+        for a, x in enumerate(hv):  # ascending x: the partner nearest x - half only moves right
+            target = x - half
+            while b + 1 < m and ov[b + 1] <= target:
+                b += 1
+            for c in (b, b + 1) if b + 1 < m else (b,):
+                d = x - ov[c]
+                if eps < d < gap - eps and abs(d - half) < best_score:
+                    best_score, best = abs(d - half), (a, c, d)
+        if best is None:
+            break
+        a, c, d = best
+        xi, xv = rows[h].pop(a), hv.pop(a)
+        yi, yv = rows[o].pop(c), ov.pop(c)
+        j = bisect.bisect(hv, yv)
+        hv.insert(j, yv)
+        rows[h].insert(j, yi)
+        j = bisect.bisect(ov, xv)
+        ov.insert(j, xv)
+        rows[o].insert(j, xi)
+        loads[h] -= d
+        loads[o] += d
+    return [sorted(r) for r in rows]
+
+
+_TOLERANCE = 1e-4  # relative gap to lower_bound at which the search stops
+_SWAPS_PER_PART = 1  # repair budget (exchanges per part): O(n) work in all, within KK's own cost
+_MIN_SWAPS = 8
 
 
 def _parts_from_assign(assign: np.ndarray, k: int) -> list[list[int]]:
