@@ -1,6 +1,7 @@
 """Typed configuration of an engine: model, optimizer, policy loss and the backend-specific parallel sections."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,9 +39,25 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "actor.optim", EngineConfigError)
-        if self.lr < 0 or self.warmup_steps < 0 or self.clip_grad <= 0:
-            raise EngineConfigError("actor.optim: lr and warmup_steps must be >= 0 and clip_grad > 0, got "
-                             f"lr={self.lr}, warmup_steps={self.warmup_steps}, clip_grad={self.clip_grad}")
+        # each bound keeps the first update finite: eps=0 divides 0 by 0 for a parameter whose gradient is 0,
+        # beta >= 1 never forgets (and its bias correction divides by zero), a negative decay grows the weights
+        checks = [("lr", self.lr, math.isfinite(self.lr) and self.lr >= 0, "a finite number >= 0"),
+                  ("eps", self.eps, math.isfinite(self.eps) and self.eps > 0, "> 0 (1e-8 is usual)"),
+                  ("weight_decay", self.weight_decay, math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                   "a finite number >= 0"),
+                  ("warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0"),
+                  ("clip_grad", self.clip_grad, self.clip_grad > 0, "> 0"),
+                  ("min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")]
+        if self.total_steps is not None:
+            checks.append(("total_steps", self.total_steps, self.total_steps > 0, "a positive integer or null"))
+        for name, value, ok, expected in checks:
+            if not ok:
+                raise EngineConfigError(f"actor.optim.{name} must be {expected}, got {value!r}")
+        if len(self.betas) != 2:
+            raise EngineConfigError(f"actor.optim.betas must be two numbers [beta1, beta2], got {list(self.betas)}")
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise EngineConfigError(f"actor.optim.betas[{i}] must be in [0, 1), got {beta!r}")
 
 
 @dataclass

@@ -122,7 +122,11 @@ class TrainerSection:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress_bar: bool = True
-    tensorboard: bool = True
+    tensorboard: bool | None = None  # None = when torch.utils.tensorboard imports (said once when it does not)
+    dist_timeout_s: float = 300.0  # a collective waiting longer (stuck or dead peer) ends the job
+    save_on_signal: bool = True  # SIGTERM/SIGINT: checkpoint at the next step boundary, then exit 143 / 130
+    on_nonfinite: Literal["skip", "stop"] = "skip"  # a non-finite update: roll back to the pre-step weights | stop
+    run_dir_exists: Literal["refuse", "overwrite"] = "refuse"  # a run dir holding another run's metrics/checkpoints
 
 
 @dataclass
@@ -193,6 +197,20 @@ def validate(cfg: RunConfig) -> RunConfig:
         value = _get(cfg, key)
         if value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
+    for key in ["data.val_batch_size"]:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {_get(cfg, key)}")
+    for key in ["trainer.save_freq", "trainer.val_freq"]:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 = only at the end), got {_get(cfg, key)}")
+    if cfg.trainer.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("trainer.tensorboard=true but the tensorboard package is not installed; pip install "
+                              "tensorboard, or leave trainer.tensorboard unset (on when installed)")
+    if not cfg.trainer.dist_timeout_s > 0:
+        raise ConfigError(f"trainer.dist_timeout_s must be > 0 seconds, got {cfg.trainer.dist_timeout_s}")
     a, d = cfg.actor, cfg.data
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ConfigError(

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 from numbers import Real
 from pathlib import Path
@@ -215,12 +217,13 @@ class MetricsLogger:
     """Appends one JSON object per step (with a ``step`` key) to ``run_dir/metrics.jsonl``.
 
     Only the rank built with ``enabled_on_this_rank=True`` writes; elsewhere every call is a no-op. Scalars are
-    mirrored to TensorBoard (``run_dir/tb``) when ``torch.utils.tensorboard`` can be imported.
+    mirrored to TensorBoard (``run_dir/tb``): ``tensorboard=None`` means when ``torch.utils.tensorboard`` can be
+    imported (said once in the log when it cannot), ``True`` requires it, ``False`` turns it off.
     """
 
     FILE = "metrics.jsonl"
 
-    def __init__(self, run_dir: str | Path, enabled_on_this_rank: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, enabled_on_this_rank: bool = True, tensorboard: bool | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = bool(enabled_on_this_rank)
         self.path = self.run_dir / self.FILE
@@ -230,13 +233,31 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", encoding="utf-8")
-        if tensorboard:
+        if tensorboard is not False:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional; JSONL is the record
+            except ImportError as exc:  # tensorboard is optional; JSONL is the record
+                if tensorboard:
+                    raise ImportError("trainer.tensorboard=true but torch.utils.tensorboard cannot be imported "
+                                      f"({exc}); pip install tensorboard, or leave trainer.tensorboard unset") from exc
+                logging.getLogger(__name__).info(
+                    "TensorBoard is off (the tensorboard package is not installed); metrics go to %s only", self.path)
                 SummaryWriter = None
             if SummaryWriter is not None:
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+
+    def keep_through(self, step: int) -> int:
+        """Drop the records after ``step`` (a resume redoes those steps and logs them again); return how many."""
+        if not self.enabled or not self.path.exists():
+            return 0
+        self._fh.close()
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._fh = open(self.path, "a", encoding="utf-8")
+        return len([ln for ln in lines if ln.strip()]) - len(kept)
 
     @property
     def tensorboard_enabled(self) -> bool:
