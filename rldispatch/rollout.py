@@ -74,7 +74,10 @@ class RolloutWorker:
     """Holds the rollout policy; ``generate`` samples one request, ``agenerate`` batches concurrent ones.
 
     Sampling draws from one per-worker generator seeded by ``(seed, rank)``, so a run is reproducible for a
-    fixed request order. The model starts from ``LlamaModel.from_seed(model_cfg, init_seed)``. Weights are pushed with :meth:`load_weights` after every actor update.
+    fixed request order. The model starts from ``LlamaModel.from_seed(model_cfg, init_seed)``; with
+    ``model_cfg.hf_path`` set it starts uninitialised (no full random init of a large model on every rank) and
+    refuses to generate before the first :meth:`load_weights`. Weights are pushed with :meth:`load_weights` after
+    every actor update.
 
     Example::
 
@@ -106,7 +109,13 @@ class RolloutWorker:
         self.seed, self.rank = int(seed), int(rank)
         self.max_batch_size = max_batch_size
         # Deterministic placeholder weights until the first load_weights; the sampling seed does not change them.
-        self.model = LlamaModel.from_seed(model_cfg, seed=int(init_seed), device=self.device).eval()
+        if model_cfg.hf_path:  # the trainer pushes the engine's (checkpoint) weights before any rollout
+            with torch.device("meta"):
+                self.model = LlamaModel(model_cfg)
+            self.model = self.model.to_empty(device=self.device).eval()
+        else:
+            self.model = LlamaModel.from_seed(model_cfg, seed=int(init_seed), device=self.device).eval()
+        self._has_weights = not model_cfg.hf_path
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
@@ -141,6 +150,7 @@ class RolloutWorker:
             for name, t in state_dict.items():
                 own[name].copy_(t.detach().to(device=own[name].device, dtype=own[name].dtype))
         self.weights_version = self.weights_version + 1 if version is None else int(version)
+        self._has_weights = True
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the rollout weights (for checks that the sync happened)."""
@@ -189,6 +199,9 @@ class RolloutWorker:
 
     def _run(self, requests: list[_Request]) -> list[tuple[list[int], list[float]]]:
         """Generate for requests grouped by (temperature, top_p), each group in chunks of ``max_batch_size``."""
+        if not self._has_weights:
+            raise RolloutError(f"the rollout model of model.hf_path={self.model_cfg.hf_path!r} has no weights yet; "
+                               f"call load_weights (the engine's weights) before generating")
         results: list[tuple[list[int], list[float]] | None] = [None] * len(requests)
         groups: dict[tuple[float, float], list[int]] = {}
         for i, r in enumerate(requests):

@@ -144,3 +144,11 @@ def test_export_refusals(tmp_path):
         export_checkpoint(tmp_path / "ckpt", tmp_path / "new")
     assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "new")]) == 2
     assert (tmp_path / "out" / "x").read_text() == "keep me"
+
+
+def test_the_checkpoint_folder_is_the_default_tokenizer(qwen2, tmp_path):
+    from rldispatch.config import load_config
+
+    assert load_config(None, [f"model.hf_path={qwen2}"]).data.tokenizer == str(qwen2)
+    assert load_config(None, [f"model.hf_path={qwen2}", "data.tokenizer=char"]).data.tokenizer == "char"
+    assert load_config(None, []).data.tokenizer == "char"

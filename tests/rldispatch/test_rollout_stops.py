@@ -46,6 +46,8 @@ def test_rollout_worker_stops_at_generation_config_eos(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[k], tok.eos_token_id]}))
     cfg = ModelConfig(hf_path=str(tmp_path))
     stopping = RolloutWorker(cfg, tok, init_seed=1)
+    with pytest.raises(RolloutError, match="no weights yet"):  # hf_path: uninitialised until the engine's weights
+        stopping.generate(PROMPT, GREEDY)
     stopping.load_weights(worker.get_weights())
     assert stopping.stop_token_ids == {free[k], tok.eos_token_id}
     got, _ = stopping.generate(PROMPT, GREEDY)
