@@ -6,12 +6,15 @@ tags of all ranks, deterministically, so every rank arrives at the same plan wit
 
 * Token budget: no micro-batch holds more than ``token_cap`` tokens (sum of seq_len); a single sample
   longer than the cap is an error naming its key. The count is the smallest for which every rank packs
-  under the cap, rounded up to ``multiple_of`` (the virtual-pipeline group).
+  under the cap (never more than first-fit decreasing needs), rounded up to ``multiple_of`` (the
+  virtual-pipeline group); any larger count up to the rank's sample count packs too, so the rounded count
+  always fits.
 * Fixed size: ``ceil(m / micro_batch_size)`` micro-batches (rounded up likewise), sizes differing by at
   most one and never above ``micro_batch_size``.
 
 Within those limits samples are packed heaviest first into the currently lightest micro-batch, which
-evens out the micro-batches' workloads. ``small_ends`` then orders them lightest at both ends.
+evens out the micro-batches' workloads; where that greedy does not fit the count, a dense packing is split
+and rebalanced under the cap instead. ``small_ends`` then orders them lightest at both ends.
 
 Example::
 
@@ -34,8 +37,14 @@ class MicroBatchError(ValueError):
 
 def pack_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence[int] | np.ndarray, count: int, *,
                        token_cap: int | None = None, size_caps: Sequence[int] | None = None) -> list[list[int]] | None:
-    """Pack positions ``0..m-1`` into exactly ``count`` non-empty bins, heaviest first into the lightest bin
-    that still fits (``token_cap`` tokens, ``size_caps[b]`` samples); ``None`` when some sample does not fit.
+    """Pack positions ``0..m-1`` into exactly ``count`` non-empty bins of at most ``token_cap`` tokens (and
+    ``size_caps[b]`` samples); ``None`` when no packing tried fits.
+
+    First heaviest-first into the lightest bin that still fits (balanced by construction). If that fails under a
+    token cap, the densest packings known — first-fit and best-fit decreasing by tokens — are tried: one that
+    needs at most ``count`` bins is split up to ``count`` (halving the heaviest splittable bin) and then
+    rebalanced by moves and exchanges that keep every bin under the cap. So a count succeeds whenever any of
+    these packings fits in it, and every count between the smallest such and ``m`` succeeds.
     """
     w = np.asarray(workloads, dtype=np.float64)
     t = np.asarray(tokens, dtype=np.int64)
@@ -54,7 +63,7 @@ def pack_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence
         if token_cap is not None:
             ok &= used + t[i] <= token_cap
         if not ok.any():
-            return None
+            return _dense_pack(w, t, count, token_cap) if token_cap is not None and size_caps is None else None
         # Lightest feasible bin; empty bins first so that no bin stays empty.
         score = np.where(ok, loads, np.inf)
         score = np.where(ok & (sizes == 0), -1.0, score)
@@ -64,13 +73,121 @@ def pack_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence
         used[b] += t[i]
         sizes[b] += 1
     if any(not b for b in bins):
-        return None
+        return _dense_pack(w, t, count, token_cap) if token_cap is not None and size_caps is None else None
     return [sorted(b) for b in bins]
+
+
+def _dense_pack(w: np.ndarray, t: np.ndarray, count: int, cap: int) -> list[list[int]] | None:
+    """The fewest-bin packing of first-fit / best-fit decreasing, split up to ``count`` bins and rebalanced."""
+    order = np.lexsort((np.arange(t.size), -w, -t)).tolist()  # most tokens first; ties heavier, then position
+    tl, wl = t.tolist(), w.tolist()
+    for packer in (_first_fit, _best_fit):
+        bins = packer(order, tl, cap)
+        if len(bins) <= count:
+            bins = _split_to(bins, count, wl)
+            return [sorted(b) for b in _rebalance(bins, wl, tl, cap)]
+    return None
+
+
+def _first_fit(order: list[int], t: list[int], cap: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, r in enumerate(room):
+            if t[i] <= r:
+                bins[b].append(i)
+                room[b] -= t[i]
+                break
+        else:
+            bins.append([i])
+            room.append(cap - t[i])
+    return bins
+
+
+def _best_fit(order: list[int], t: list[int], cap: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        fits = [b for b, r in enumerate(room) if t[i] <= r]
+        if fits:
+            b = min(fits, key=lambda x: (room[x], x))
+            bins[b].append(i)
+            room[b] -= t[i]
+        else:
+            bins.append([i])
+            room.append(cap - t[i])
+    return bins
+
+
+def _split_to(bins: list[list[int]], count: int, w: list[float]) -> list[list[int]]:
+    """Halve the heaviest bin of two or more samples (heaviest first into the lighter half) until ``count`` bins;
+    parts of a bin under the cap stay under it."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        b = max(splittable, key=lambda x: (sum(w[i] for i in bins[x]), -x))  # count <= m: one always exists
+        halves: list[list[int]] = [[], []]
+        loads = [0.0, 0.0]
+        for i in sorted(bins[b], key=lambda i: (-w[i], i)):
+            h = 0 if (loads[0], len(halves[0])) <= (loads[1], len(halves[1])) else 1
+            halves[h].append(i)
+            loads[h] += w[i]
+        bins[b] = halves[0]
+        bins.append(halves[1])
+    return bins
+
+
+def _rebalance(bins: list[list[int]], w: list[float], t: list[int], cap: int,
+               max_moves: int | None = None) -> list[list[int]]:
+    """Lower the heaviest bin's workload by moving one of its samples to, or exchanging one with, a lighter bin,
+    every bin staying under ``cap`` tokens and non-empty; stops when no such step lowers the maximum."""
+    loads = [sum(w[i] for i in b) for b in bins]
+    used = [sum(t[i] for i in b) for b in bins]
+    limit = max_moves if max_moves is not None else 4 * sum(len(b) for b in bins)
+    for _ in range(limit):
+        h = max(range(len(bins)), key=lambda x: (loads[x], -x))
+        top = loads[h]
+        step = None
+        for o in sorted(range(len(bins)), key=lambda x: (loads[x], x)):
+            if o == h or loads[o] >= top:
+                break
+            for a in bins[h]:
+                if len(bins[h]) > 1 and used[o] + t[a] <= cap and loads[o] + w[a] < top:
+                    step = (o, a, None)
+                    break
+                for b in bins[o]:
+                    d = w[a] - w[b]
+                    if (d > 0 and loads[o] + d < top and used[o] + t[a] - t[b] <= cap
+                            and used[h] - t[a] + t[b] <= cap):
+                        step = (o, a, b)
+                        break
+                if step:
+                    break
+            if step:
+                break
+        if step is None:
+            break
+        o, a, b = step
+        bins[h].remove(a)
+        bins[o].append(a)
+        loads[h] -= w[a]
+        loads[o] += w[a]
+        used[h] -= t[a]
+        used[o] += t[a]
+        if b is not None:
+            bins[o].remove(b)
+            bins[h].append(b)
+            loads[o] -= w[b]
+            loads[h] += w[b]
+            used[o] -= t[b]
+            used[h] += t[b]
+    return bins
 
 
 def min_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence[int] | np.ndarray,
                       token_cap: int) -> int:
-    """The fewest micro-batches :func:`pack_micro_batches` needs to keep every one under ``token_cap``."""
+    """The fewest micro-batches :func:`pack_micro_batches` fills under ``token_cap``: never more than
+    first-fit decreasing needs, never fewer than ``ceil(total tokens / token_cap)``."""
     t = np.asarray(tokens, dtype=np.int64)
     if t.size == 0:
         return 0
@@ -78,7 +195,7 @@ def min_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence[
         raise MicroBatchError(f"a sample of {int(t.max())} tokens exceeds the micro-batch token cap {token_cap}")
     count = max(1, math.ceil(int(t.sum()) / token_cap))
     while pack_micro_batches(workloads, t, count, token_cap=token_cap) is None:
-        count += 1  # terminates: with count == m every sample sits alone
+        count += 1  # terminates by the count first-fit decreasing needs (at most m)
     return count
 
 

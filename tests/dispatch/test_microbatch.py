@@ -123,3 +123,40 @@ def test_small_ends_in_split():
     seq = np.array([5, 50, 10, 40, 20, 30])
     out = split_micro_batches([list(range(6))], MODEL(seq), seq, micro_batch_size=1, small_ends=True)
     assert [int(seq[mb].sum()) for mb in out[0]] == [5, 20, 40, 50, 30, 10]
+
+
+def _ffd_count(tokens, cap):
+    """First-fit decreasing, written independently: bins it opens for ``tokens`` under ``cap``."""
+    rooms = []
+    for x in sorted(tokens, reverse=True):
+        for j, r in enumerate(rooms):
+            if x <= r:
+                rooms[j] -= x
+                break
+        else:
+            rooms.append(cap - x)
+    return len(rooms)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=40), st.integers(100, 260), st.booleans())
+def test_micro_batch_count_is_never_above_first_fit_decreasing(seq, cap, same_workload):
+    seq = np.array(seq)
+    w = np.ones(seq.size) if same_workload else MODEL(seq)
+    count = min_micro_batches(w, seq, cap)
+    assert math.ceil(seq.sum() / cap) <= count <= _ffd_count(seq.tolist(), cap)
+    # every count from the minimum up to one sample per micro-batch packs under the cap, covering each sample once
+    for c in range(count, min(seq.size, count + 3) + 1):
+        bins = pack_micro_batches(w, seq, c, token_cap=cap)
+        assert bins is not None and len(bins) == c and all(len(b) > 0 for b in bins)
+        assert all(seq[b].sum() <= cap for b in bins)
+        assert sorted(i for b in bins for i in b) == list(range(seq.size))
+
+
+def test_dense_packing_beats_the_balanced_greedy_where_it_fails():
+    # heaviest-first into the lightest bin spreads 60, 50 over two bins and then cannot place 40 + 40 + 10;
+    # first-fit decreasing fits {60, 40}, {50, 40, 10} into two
+    seq = np.array([60, 50, 40, 40, 10])
+    assert min_micro_batches(MODEL(seq), seq, 100) == 2
+    bins = pack_micro_batches(MODEL(seq), seq, 2, token_cap=100)
+    assert sorted(int(seq[b].sum()) for b in bins) == [100, 100]
