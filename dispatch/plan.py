@@ -189,22 +189,34 @@ def reverse_index(order: Sequence[int], check_complete: bool = False) -> list[in
 
 
 def restore_order(outputs_by_dp_rank: Sequence[Any], order: Sequence[int]) -> Any:
-    """Concatenate per-rank outputs (rank order) and reorder them by :func:`reverse_index` of ``order``."""
+    """Concatenate per-rank outputs (rank order) and reorder them by :func:`reverse_index` of ``order``.
+
+    Works on lists/tuples, numpy arrays, dense tensors, bare jagged (nested) tensors and TensorDicts (with dense or
+    jagged fields); every rank's output must be of the same kind.
+    """
     parts = list(outputs_by_dp_rank)
     if not parts:
         raise PlanError("restore_order needs at least one rank's outputs")
     first = parts[0]
+    jagged = isinstance(first, torch.Tensor) and first.is_nested
     if isinstance(first, (list, tuple)):
         flat = [x for p in parts for x in p]
     elif isinstance(first, np.ndarray):
         flat = np.concatenate(parts)
-    else:  # torch tensors (dense or jagged) and TensorDicts
+    elif jagged:  # torch.cat cannot join jagged tensors along the batch dim: go through their rows
+        if not all(isinstance(p, torch.Tensor) and p.is_nested for p in parts):
+            raise PlanError("restore_order got a jagged tensor for the first rank but not for every rank; pass "
+                            "the same kind of output from every DP rank")
+        flat = [row for p in parts for row in p.unbind()]
+    else:  # dense torch tensors and TensorDicts
         flat = torch.cat(list(parts), 0)
     n = len(flat) if not hasattr(flat, "batch_size") else flat.batch_size[0]
     if n != len(order):
         raise PlanError(f"outputs hold {n} samples but the plan gathers {len(order)}; pass every DP rank's "
                         f"outputs in DP-rank order")
     rev = reverse_index(order)
+    if jagged:
+        return torch.nested.as_nested_tensor([flat[i] for i in rev], layout=torch.jagged)
     if isinstance(flat, list):
         return [flat[i] for i in rev]
     if isinstance(flat, np.ndarray):

@@ -207,6 +207,27 @@ def test_reverse_index_and_restore_helpers():
         restore_order([[1, 2], [3]], order)
 
 
+def test_restore_order_on_bare_jagged_tensors_lists_and_tensordicts_alike():
+    # regression: torch.cat cannot join jagged tensors on dim 0, so bare jagged outputs used to fail
+    from tensordict import TensorDict
+
+    order = [3, 0, 2, 1]  # rank 0 computed samples 3, 0; rank 1 computed 2, 1
+    rows = [torch.arange(i + 1, dtype=torch.float32) + 10 * i for i in range(4)]  # sample i has i + 1 tokens
+
+    def jag(ids):
+        return torch.nested.as_nested_tensor([rows[i] for i in ids], layout=torch.jagged)
+
+    back = restore_order([jag([3, 0]), jag([2, 1])], order)
+    assert back.is_nested and [r.tolist() for r in back.unbind()] == [r.tolist() for r in rows]
+    tds = [TensorDict({"x": jag(ids), "y": torch.tensor(ids)}, batch_size=[2]) for ids in ([3, 0], [2, 1])]
+    td = restore_order(tds, order)
+    assert td["y"].tolist() == [0, 1, 2, 3]
+    assert [r.tolist() for r in td["x"].unbind()] == [r.tolist() for r in rows]
+    assert restore_order([["d", "a"], ("c", "b")], order) == ["a", "b", "c", "d"]
+    with pytest.raises(PlanError, match="same kind of output"):
+        restore_order([jag([3, 0]), torch.zeros(2, 1)], order)
+
+
 def test_balanced_plan_beats_contiguous_and_table_prints():
     topo = Topology.from_config({"backend": "megatron", "tp": 2}, 16)
     rng = np.random.default_rng(3)
