@@ -41,8 +41,10 @@ def test_local_rows_of_a_plain_tensor():
 
 @pytest.mark.dist
 def test_meta_init_loads_each_ranks_shards(torchrun, tmp_path):
-    """Sharded (index.json) Qwen2 on a 2-rank FSDP mesh and a tied Llama on a 2x1 HSDP mesh: exact weights."""
+    """Sharded (index.json) Qwen2 and a Qwen3 (q/k norms) on a 2-rank FSDP mesh, a tied Llama 3 on a 2x1 HSDP mesh:
+    every rank's shards are exactly the checkpoint's rows."""
     qwen = hf_tiny.make_checkpoint(tmp_path / "qwen2", "qwen2", max_shard_size="40KB", tokenizer=False)
-    llama = hf_tiny.make_checkpoint(tmp_path / "llama", "llama", tie=True, num_layers=3, tokenizer=False)
-    out = torchrun("fsdp_hf_load_worker.py", 2, f"{qwen}:-1", f"{llama}:1", timeout=300)
-    assert out.count("OK meta load") == 2, out
+    qwen3 = hf_tiny.make_checkpoint(tmp_path / "qwen3", "qwen3", tokenizer=False)
+    llama = hf_tiny.make_checkpoint(tmp_path / "llama", "llama3", tie=True, num_layers=3, tokenizer=False)
+    out = torchrun("fsdp_hf_load_worker.py", 2, f"{qwen}:-1", f"{qwen3}:-1", f"{llama}:1", timeout=300)
+    assert out.count("OK meta load") == 3, out

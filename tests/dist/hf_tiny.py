@@ -42,7 +42,7 @@ def make_chatml_tokenizer(out: str | Path | None = None, vocab_size: int = 320):
 def make_checkpoint(out: str | Path, arch: str = "qwen2", vocab_size: int = 320, tie: bool = False, seed: int = 0,
                     scale: float = 4.0, num_layers: int = 2, tokenizer: bool = True,
                     generation_eos: tuple[int, ...] | None = None, max_shard_size: str | None = None) -> Path:
-    """A random tiny ``arch`` (``qwen2`` or ``llama``) checkpoint written by transformers into ``out``.
+    """A random tiny ``arch`` (``qwen2``, ``qwen3``, ``llama``, ``llama3``) checkpoint written by transformers.
 
     Every matrix is ``normal(0, scale / sqrt(fan_in))`` (biases too, for Qwen2), norms ``1 + 0.1 * noise``. With
     ``tokenizer`` the ChatML tokenizer is saved alongside; ``generation_eos`` writes generation_config.json's
@@ -60,11 +60,19 @@ def make_checkpoint(out: str | Path, arch: str = "qwen2", vocab_size: int = 320,
     if arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=1000000.0, use_sliding_window=False)
         cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":  # per-head q/k norm, head_dim (16) != hidden_size / num_attention_heads (8)
+        cfg = transformers.Qwen3Config(**common, head_dim=16, rope_theta=1000000.0, use_sliding_window=False)
+        cls = transformers.Qwen3ForCausalLM
     elif arch == "llama":
         cfg = transformers.LlamaConfig(**common, rope_theta=500000.0, attention_bias=False, mlp_bias=False)
         cls = transformers.LlamaForCausalLM
+    elif arch == "llama3":  # Llama 3.1 frequency-banded rope scaling
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        cfg = transformers.LlamaConfig(**common, rope_parameters=rope, attention_bias=False, mlp_bias=False)
+        cls = transformers.LlamaForCausalLM
     else:
-        raise ValueError(f"make_checkpoint: arch must be 'qwen2' or 'llama', got {arch!r}")
+        raise ValueError(f"make_checkpoint: arch must be 'qwen2', 'qwen3', 'llama' or 'llama3', got {arch!r}")
     torch.manual_seed(seed)
     model = cls(cfg)
     gen = torch.Generator().manual_seed(seed)
