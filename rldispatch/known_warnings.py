@@ -27,6 +27,7 @@ class KnownWarning:
     message: str
     module: str
     why: str
+    cpu_only: bool = False  # harmless only without a GPU: filtered only when CUDA is absent
 
 
 # torch 2.13 renamed these collectives (`*_single`); see DEPRECATED_COLLECTIVES for the test that keeps our own
@@ -63,6 +64,13 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         r"torch\.distributed\.checkpoint(\.|$)",
         why="megatron-core's dist-checkpointing hands torch's planner ShardedTensor metadata on load; torch plans to "
             "replace that type with DTensor, nothing about the saved or loaded values changes."),
+    KnownWarning(
+        UserWarning, r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
+                     r"environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        r"megatron\.core\.tensor_parallel\.layers$", cpu_only=True,
+        why="with TP > 1 megatron-core asks for one CUDA hardware queue so its gradient all-reduce overlaps the "
+            "backward in order; on the CPU (gloo) there are no CUDA queues, so it does not apply. On a GPU the "
+            "warning stays: export CUDA_DEVICE_MAX_CONNECTIONS=1 for megatron runs with TP > 1."),
 )
 
 # torch.logging lines (not `warnings`): (logger name, regex on the message, why)
@@ -94,7 +102,12 @@ _INSTALLED: dict[str, bool] = {"done": False}
 
 def add_warning_filters() -> None:
     """Put one ``ignore`` filter per :data:`KNOWN_WARNINGS` entry in front of the current ``warnings`` filters."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
     for known in KNOWN_WARNINGS:
+        if known.cpu_only and on_gpu:
+            continue
         warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
 
 

@@ -3,7 +3,7 @@
 With the project's known-warnings filter installed first (as ``rldispatch train`` does), builds a megatron engine
 (DP=2, distributed optimizer) and an FSDP engine, takes a step, saves, plants a stale shard file, saves again into
 the same folder and loads it back; a folder holding a file no checkpoint writes is refused on every rank and left
-as it was. Every warning and every log record at WARNING or above is recorded from the first import on; the worker
+as it was; a megatron TP=2 engine takes one step. Every warning and every log record at WARNING or above is recorded from the first import on; the worker
 fails when any was emitted. Prints one ``OK <check>`` line per passed check.
 """
 from __future__ import annotations
@@ -116,6 +116,12 @@ def main() -> None:
                         "megatron dp=2 dist_opt")
     refuses_foreign(eng, os.path.join(root, "meg_foreign"), "megatron")
     eng.close()
+    tp2 = MegatronConfig(tp=2, use_distributed_optimizer=True)  # TP > 1 adds megatron-core's TP-layer warnings
+    ttopo = topology(tp2, dist.get_world_size())
+    teng = MegatronEngine(engine_config(tp2), ttopo)
+    teng.train_batch(share_of(data, positions(ttopo), 2))
+    teng.close()
+    log("OK megatron tp=2 step")
 
     from backends.fsdp.engine import FSDPEngine
 
