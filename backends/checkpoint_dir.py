@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 __all__ = ["CHECKPOINT_ENTRIES", "NotACheckpointDir", "foreign_entries", "prepare_checkpoint_dir"]
 
-# every name either engine's save writes directly under its folder (torch DCP, megatron-core dist-checkpointing,
-# the engines' side files)
+# every name written directly under a checkpoint folder (torch DCP, megatron-core dist-checkpointing, the engines'
+# side files, and the trainer's run record run.json)
 CHECKPOINT_ENTRIES = ("*.distcp", ".metadata", "metadata.json", "common.pt", "engine_state.pt", "rng",
-                      "rng_rank*.pt", "*.tmp")
+                      "rng_rank*.pt", "*.tmp", "run.json")
 
 
 class NotACheckpointDir(ValueError):
