@@ -220,6 +220,29 @@ class CharTokenizer:
         """A JSON-able description sufficient for :func:`load_tokenizer` to rebuild this tokenizer."""
         return {"name": self.name, "vocab_size": self.vocab_size}
 
+    def save_pretrained(self, out: str | os.PathLike) -> None:
+        """Write this tokenizer as a Hugging Face tokenizer folder (needs ``tokenizers`` and ``transformers``).
+
+        ``AutoTokenizer.from_pretrained(out)`` then gives the same ids for text and for chat templates, and the same
+        decoding; one difference is inherent to Hugging Face tokenizers: a special token's text (``"<|eos|>"``) in
+        the input is read as that token, where :meth:`encode` reads its characters.
+        """
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(self._id_to_token)}, unk_token="<|unk|>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens([self._id_to_token[i] for i in sorted(self._special_ids)])
+        roles = ", ".join(f"'{r}'" for r in ROLES)
+        template = ("{{ '<|bos|>' }}{% for m in messages %}{% if m['role'] not in [" + roles + "] %}"
+                    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                    "{{ '<|' + m['role'] + '|>' + m['content'] + '<|eos|>' }}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+        hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                     pad_token="<|pad|>", unk_token="<|unk|>", chat_template=template)
+        hf.save_pretrained(os.fspath(out))
+
 
 def generation_stop_ids(path: str | os.PathLike | None) -> frozenset[int]:
     """The ``eos_token_id`` entries (an int or a list) of ``path/generation_config.json``; empty when absent.

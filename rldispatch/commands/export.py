@@ -135,7 +135,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
                       max_shard_bytes: int | None = None) -> ExportResult:
     """Export one checkpoint (or a run folder's latest) to the Hugging Face folder ``out``."""
     from backends.model.hf_export import save_hf_checkpoint
-    from protocol.rollout.tokenizer import HFTokenizer, load_tokenizer, resolve_tokenizer
+    from protocol.rollout.tokenizer import load_tokenizer, resolve_tokenizer
 
     if dtype not in _DTYPES:
         raise ExportError(f"--dtype {dtype}: expected one of {list(_DTYPES)}")
@@ -157,16 +157,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
     result.files = save_hf_checkpoint(out, weights, cfg, dtype=_DTYPES[dtype], source=source or None,
                                       generation_config=_generation_config(source, tokenizer) if tokenizer else None,
                                       **kwargs)
-    if isinstance(tokenizer, HFTokenizer):
+    if tokenizer is None:
+        result.notes.append(f"the run's tokenizer {tok_source!r} is no longer there: no tokenizer files and no "
+                            f"generation_config.json written")
+    else:  # an HF tokenizer folder as it was, or the built-in char tokenizer in its Hugging Face form
         before = set(os.listdir(out))
         tokenizer.save_pretrained(out)
         result.files += sorted(set(os.listdir(out)) - before)
-    elif tokenizer is None:
-        result.notes.append(f"the run's tokenizer {tok_source!r} is no longer there: no tokenizer files and no "
-                            f"generation_config.json written")
-    else:
-        result.notes.append("the run used the built-in 'char' tokenizer, which has no Hugging Face form: no "
-                            "tokenizer files written (the model's ids are CharTokenizer ids)")
     if verify:
         result.max_logit_diff = _verify(out)
     return result

@@ -190,3 +190,33 @@ def test_an_answer_ending_in_eos_scores_like_the_bare_answer(hf_dir):
     assert _score(hf, hf.encode("aaa") + [im_end, im_end]) < 1.0  # only ONE final stop token is dropped
     assert decode_response(hf, hf.encode("aaa") + [im_end]) == "aaa"
     assert decode_response(hf, hf.encode("aaa") + [pad]) == "aaa<|pad|>"
+
+
+@pytest.fixture(scope="module")
+def char_as_hf(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("char_hf")
+    CharTokenizer().save_pretrained(out)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=40).filter(lambda t: "<|" not in t))
+def test_char_tokenizer_in_hugging_face_form_gives_the_same_ids(char_as_hf, text):
+    ids = TOK.encode(text)
+    assert char_as_hf.encode(text, add_special_tokens=False) == ids  # unknown characters -> <|unk|> in both
+    assert char_as_hf.decode(ids, skip_special_tokens=False) == TOK.decode(ids, skip_special=False).replace(
+        "\ufffd", "<|unk|>")
+
+
+def test_char_tokenizer_in_hugging_face_form_chat_template(char_as_hf):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "q?"},
+            {"role": "assistant", "content": "A"}, {"role": "tool", "content": "obs"}]
+    for gen in (True, False):
+        assert char_as_hf.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True, return_dict=False) \
+            == TOK.apply_chat_template(msgs, add_generation_prompt=gen)
+    assert len(char_as_hf) == 128 and char_as_hf.eos_token_id == TOK.eos_token_id == 2
+    assert (char_as_hf.pad_token_id, char_as_hf.bos_token_id, char_as_hf.unk_token_id) == (0, 1, 3)
+    with pytest.raises(Exception, match="unknown role bot"):
+        char_as_hf.apply_chat_template([{"role": "bot", "content": "x"}], tokenize=False)

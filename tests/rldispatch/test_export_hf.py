@@ -152,3 +152,37 @@ def test_the_checkpoint_folder_is_the_default_tokenizer(qwen2, tmp_path):
     assert load_config(None, [f"model.hf_path={qwen2}"]).data.tokenizer == str(qwen2)
     assert load_config(None, [f"model.hf_path={qwen2}", "data.tokenizer=char"]).data.tokenizer == "char"
     assert load_config(None, []).data.tokenizer == "char"
+
+
+@pytest.mark.slow
+def test_a_random_init_char_tokenizer_run_exports_a_complete_folder(tmp_path):
+    """The quick-start run (no model.hf_path, built-in char tokenizer): config.json comes from the model config and
+    the tokenizer in its Hugging Face form; transformers reproduces the project's logits on a templated prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backends.fsdp.checkpoint import read_model_weights
+    from backends.model.llama import LlamaModel
+    from protocol.rollout.tokenizer import CharTokenizer
+    from rldispatch.commands.export import read_checkpoint
+
+    run = tmp_path / "run"
+    args = [a for a in _args(tmp_path, Path(), run, LR) if not a.startswith("model.hf_path")]
+    _train_single(args)
+    out = tmp_path / "exported"
+    res = export_checkpoint(run, out, verify=True)
+    assert res.backend == "fsdp" and res.step == 1 and res.notes == [] and res.max_logit_diff < 1e-4
+    tok = AutoTokenizer.from_pretrained(out)
+    msgs = [{"role": "user", "content": "repeat: a3"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == CharTokenizer().apply_chat_template(msgs)
+    _, _, run_cfg, weights = read_checkpoint(run / "checkpoints" / "step_1")
+    from rldispatch.commands.export import _model_config
+
+    ours = LlamaModel(_model_config(run_cfg["model"], run))
+    ours.load_state_dict(weights)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    x = torch.tensor(ids)
+    with torch.no_grad():
+        a = ours(x, torch.arange(len(x)), torch.tensor([0, len(x)], dtype=torch.int32))
+        b = theirs(input_ids=x[None]).logits[0]
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
