@@ -122,3 +122,5 @@ class EngineConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     seed: int = 0
     max_token_len_per_gpu: int | None = None  # token budget per micro-batch, checked again by the engine
+    dist_timeout_s: float | None = None  # timeout of every process group the engine creates; None = torch's default
+    rollback_nonfinite: bool = True  # keep a pre-step copy to restore when an update leaves a non-finite weight

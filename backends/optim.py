@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from backends.config import OptimConfig
 
-__all__ = ["build_optimizer", "lr_factor", "build_lr_scheduler", "clip_grad_norm"]
+__all__ = ["build_optimizer", "lr_factor", "build_lr_scheduler", "clip_grad_norm", "StepSnapshot", "all_finite"]
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -64,3 +65,49 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tup
         return value, False
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return value, True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (a DTensor's local shard, a view, so writes land in the parameter)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _clone_state(value):
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+class StepSnapshot:
+    """This rank's parameters and optimizer state before an update, to restore when the update is not finite.
+
+    Costs one copy of the local parameter shards and optimizer state; :meth:`restore` writes the parameters back
+    in place (so views such as megatron-core's parameter buffer stay valid) and puts the old state back.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], optimizers: Sequence[torch.optim.Optimizer]):
+        self._params = list({id(p): p for p in params}.values())
+        with torch.no_grad():
+            self._values = [_local(p).detach().clone() for p in self._params]
+        self._optimizers = list(optimizers)
+        self._states = [{p: {k: _clone_state(v) for k, v in st.items()} for p, st in opt.state.items()}
+                        for opt in self._optimizers]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, saved in zip(self._params, self._values):
+            _local(p).copy_(saved)
+        for opt, saved in zip(self._optimizers, self._states):
+            opt.state.clear()
+            for p, st in saved.items():
+                opt.state[p] = {k: _clone_state(v) for k, v in st.items()}
+
+
+def all_finite(tensors: Iterable[torch.Tensor], *scalars: float, device=None, group=None) -> bool:
+    """Whether every local tensor and scalar is finite on every rank of ``group`` (one MIN all-reduce)."""
+    ok = all(math.isfinite(float(x)) for x in scalars)
+    if ok:
+        with torch.no_grad():
+            ok = all(bool(torch.isfinite(_local(t)).all()) for t in tensors)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

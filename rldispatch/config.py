@@ -171,6 +171,7 @@ class RunConfig:
             model=self.model, optim=optim, loss=loss, fsdp=self.actor.fsdp,
             megatron=self.actor.megatron, seed=self.trainer.seed,
             max_token_len_per_gpu=self.actor.max_token_len_per_gpu if self.actor.use_dynamic_bsz else None,
+            dist_timeout_s=self.trainer.dist_timeout_s, rollback_nonfinite=self.trainer.on_nonfinite == "skip",
         )
 
     def topology_config(self) -> ParallelSection:
@@ -300,10 +301,18 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     from omegaconf.errors import OmegaConfBaseException
 
     path = resolve_config_path(path) if path else None
+    import yaml
+
     try:
         base = OmegaConf.load(str(path)) if path else OmegaConf.create({})
     except FileNotFoundError as exc:
         raise ConfigError(f"--config {path}: no such file") from exc
+    except yaml.YAMLError as exc:  # one line: where, and what the parser found
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x) \
+            or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. actor.backend=megatron)")

@@ -10,14 +10,19 @@ move point to point through :class:`trainer.dataplane.ShardedStore`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
 import logging
 import os
 import random
+import shutil
+import signal
+import sys
 import time
 import uuid
+from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,10 +45,13 @@ import protocol.rollout.tasks  # noqa: F401  (registers the task scorers by data
 from protocol.algos.reward import (RewardInput, RewardResult, build_reward_manager, compute_rm_scores,
                                    needs_ground_truth, numeric_extras)
 from protocol.store import LocalStore
+from protocol.store.batching import jagged_rows
 from protocol.store.keys import uid_of
 from protocol.rollout.tokenizer import check_vocab_fits, decode_response, load_tokenizer, resolve_tokenizer
 from rldispatch.bridge import StoreBridge
-from rldispatch.config import RunConfig
+from rldispatch.config import ConfigError, RunConfig
+from rldispatch.run_dir import (RUN_RECORD, check_resume_config, checkpoint_candidates, claim_run_dir,
+                                write_run_record)
 from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
 from rldispatch.metrics import (
@@ -55,7 +63,7 @@ from rldispatch.rollout import RolloutWorker
 from protocol.config import to_plain
 from rldispatch.trace import TraceRecorder
 
-__all__ = ["GRPOTrainer", "run", "NoUsableGroupsError"]
+__all__ = ["GRPOTrainer", "run", "NoUsableGroupsError", "NonFiniteUpdateError", "die_with_parent"]
 
 logger = logging.getLogger(__name__)
 TRAIN, VAL = "train", "val"
@@ -63,6 +71,28 @@ TRAIN, VAL = "train", "val"
 
 class NoUsableGroupsError(RuntimeError):
     """A step whose every prompt group failed or was dropped: nothing can be trained on."""
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """An update left a non-finite weight or loss and ``trainer.on_nonfinite=stop``."""
+
+
+def die_with_parent() -> None:
+    """Under a launcher (torchrun), end this worker when the launcher dies, so no orphan keeps training.
+
+    Linux delivers SIGKILL on the parent's death (``PR_SET_PDEATHSIG``); elsewhere nothing is set up.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker outlives a killed launcher",
+                       ctypes.get_errno())
+    if parent == 1 or os.getppid() != parent:  # the launcher died before the call
+        os._exit(1)
 
 
 @dataclass
@@ -76,8 +106,11 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(device_pref: str) -> DistContext:
-    """gloo on CPU, NCCL on GPUs; a plain ``python scripts/train.py`` runs as a world of one."""
+def init_distributed(device_pref: str, timeout_s: float | None = None) -> DistContext:
+    """gloo on CPU, NCCL on GPUs; a plain ``python scripts/train.py`` runs as a world of one.
+
+    ``timeout_s`` (``trainer.dist_timeout_s``) bounds every collective: a stuck or dead peer ends the job.
+    """
     use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
     if device_pref == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
@@ -85,7 +118,8 @@ def init_distributed(device_pref: str) -> DistContext:
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=float(timeout_s))}
+        dist.init_process_group("nccl" if use_cuda else "gloo", **kwargs)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -113,7 +147,8 @@ def batch_indices(num_rows: int, batch_size: int, step: int, seed: int, shuffle:
     return order[pos * batch_size:(pos + 1) * batch_size]
 
 
-_SUMMED = ("tokens", "seqs", "micro_batches", "skipped", "time")
+_SUMMED = ("tokens", "seqs", "micro_batches", "skipped", "nonfinite", "time")
+_SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
 _LAST = ("global_step", "lr")
 
 
@@ -159,6 +194,8 @@ class GRPOTrainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         self.run_dir = Path(cfg.trainer.run_dir)
+        claim_run_dir(self.run_dir, cfg.trainer, is_main=ctx.is_main)  # refuse another run's folder (every rank)
+        dist.barrier()
         self.topology = Topology.from_config(cfg.actor.parallel, ctx.world)
         self.dp_rank = self.topology.dp_rank(ctx.rank)
         self.reporting = self.topology.is_reporting(ctx.rank)
@@ -230,37 +267,79 @@ class GRPOTrainer:
     def _checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step}"
 
-    def _latest_checkpoint(self) -> Path | None:
-        marker = self.run_dir / "checkpoints" / "latest"
-        if not marker.exists():
-            return None
-        return self.run_dir / "checkpoints" / marker.read_text().strip()
-
     def _maybe_resume(self) -> None:
+        """``trainer.resume``: a folder, or ``auto`` = the newest checkpoint that loads (each skipped one is named
+        with its reason). The saved config is compared first: model, layout and data-order changes are refused."""
         mode = self.cfg.trainer.resume
         if mode == "never":
             return
-        path = self._latest_checkpoint() if mode == "auto" else Path(mode)
-        if path is None:
-            if self.ctx.is_main:
-                logger.info("trainer.resume=auto: no checkpoint under %s; starting fresh", self.run_dir)
-            return
-        if not path.exists():
-            raise FileNotFoundError(f"trainer.resume={mode!r}: checkpoint folder {path} does not exist")
-        extra = self.engine.load_checkpoint(str(path))
+        if mode == "auto":
+            candidates = checkpoint_candidates(self.run_dir / "checkpoints")
+            if not candidates:
+                if self.ctx.is_main:
+                    logger.info("trainer.resume=auto: no checkpoint under %s; starting fresh", self.run_dir)
+                return
+        else:
+            if not Path(mode).is_dir():
+                raise ConfigError(f"trainer.resume={mode!r}: checkpoint folder {mode} does not exist; give a "
+                                  "checkpoint folder (run_dir/checkpoints/step_N), auto or never")
+            candidates = [Path(mode)]
+        skipped = []
+        for path in candidates:
+            record = path / RUN_RECORD
+            if record.is_file():  # refused changes raise (a config error is not a damaged checkpoint)
+                changes = check_resume_config(json.loads(record.read_text()), to_plain(self.cfg), str(path))
+            else:
+                changes = []
+            try:
+                extra = self.engine.load_checkpoint(str(path))
+                error = ""
+            except Exception as exc:  # a damaged or partial checkpoint: say why, try the previous one
+                extra, error = {}, f"{type(exc).__name__}: {exc}"
+            failed = global_sums([1.0 if error else 0.0], device=self.ctx.device)[0]
+            if not failed:
+                break
+            skipped.append((path, error or "another rank could not load it"))
+            if mode != "auto":
+                raise RuntimeError(f"trainer.resume={mode!r}: cannot load the checkpoint: {skipped[-1][1]}")
+            logger.warning("trainer.resume=auto: skipping checkpoint %s (%s)", path, skipped[-1][1])
+        else:
+            raise RuntimeError("trainer.resume=auto: no checkpoint under " f"{self.run_dir / 'checkpoints'} loads: "
+                               + "; ".join(f"{p.name}: {why}" for p, why in skipped)
+                               + ". Set trainer.resume=never with trainer.run_dir_exists=overwrite to start over")
+        if not (path / RUN_RECORD).is_file() and "config" in extra:  # a checkpoint from before run.json
+            changes = check_resume_config({"config": extra["config"]}, to_plain(self.cfg), str(path))
         self.step = int(extra["step"])
         if "kl_coef" in extra and isinstance(self.kl_ctrl, AdaptiveKLController):
             self.kl_ctrl.value = float(extra["kl_coef"])  # the adaptive coefficient is state; a fixed one is config
+        dropped = self.metrics.keep_through(self.step)
         if self.ctx.is_main:
-            logger.info("resumed from %s at step %d", path, self.step)
+            for key, old, new in changes:
+                logger.info("resume: %s changed %r -> %r (applied)", key, old, new)
+            logger.info("resumed from %s at step %d%s", path, self.step,
+                        f"; dropped {dropped} metrics records after it" if dropped else "")
 
     def save_checkpoint(self) -> None:
+        """Write into ``step_N.partial`` and rename when every rank is done; ``latest`` names it only then, so a
+        killed save leaves the previous checkpoint as the newest intact one."""
         path = self._checkpoint_dir(self.step)
-        self.engine.save_checkpoint(str(path), extra_state={"step": self.step, "kl_coef": float(self.kl_ctrl.value),
-                                                             "config": to_plain(self.cfg)})
+        partial = path.with_name(path.name + ".partial")
+        if self.ctx.is_main and partial.exists():
+            shutil.rmtree(partial)  # a killed save's leftovers
+        dist.barrier()
+        self.engine.save_checkpoint(str(partial), extra_state={"step": self.step,
+                                                                "kl_coef": float(self.kl_ctrl.value),
+                                                                "config": to_plain(self.cfg)})
         dist.barrier()
         if self.ctx.is_main:
-            (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+            write_run_record(partial, self.step, to_plain(self.cfg))
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(partial, path)
+            marker = self.run_dir / "checkpoints" / "latest"
+            marker.with_suffix(".tmp").write_text(path.name)
+            os.replace(marker.with_suffix(".tmp"), marker)
+        dist.barrier()
 
     # ------------------------------------------------------------------------------------------------ rollout
     def _rollout(self, rows: list[dict], uids: list[str], partition: str, step: int, sampling: dict) -> None:
@@ -291,7 +370,7 @@ class GRPOTrainer:
             return RewardResult(torch.zeros(0))
         td = self.store.read_local(keys, partition, ["responses", "response_mask"])
         tags = self.store.tags_of(keys, partition)
-        responses, masks = td["responses"].unbind(), td["response_mask"].unbind()
+        responses, masks = jagged_rows(td["responses"]), jagged_rows(td["response_mask"])  # cut once each
         items = []
         for key, tag, response, mask in zip(keys, tags, responses, masks):
             row = rows_by_uid.get(uid_of(key), {})
@@ -338,8 +417,19 @@ class GRPOTrainer:
         return self._finish(st, time.perf_counter() - t_step)
 
     def _stage(self, name: str, st: "StepState", fn, batch: KVBatchMeta | None) -> KVBatchMeta | None:
-        with Timer(name, st.times):
+        with Timer(name, st.times), self._where(name, st.step):
             return fn(batch, st)
+
+    @contextlib.contextmanager
+    def _where(self, stage: str, step: int):
+        """An exception leaving ``stage`` (a peer's timeout included) says which rank, step and stage it came from."""
+        try:
+            yield
+        except Exception as exc:
+            if not getattr(exc, "_rldispatch_where", False):
+                exc.add_note(f"[rank {self.ctx.rank}/{self.ctx.world}] in step {step}, stage {stage!r}")
+                exc._rldispatch_where = True
+            raise
 
     def _sample_prompts(self) -> tuple[list[dict], list[str]]:
         cfg, B = self.cfg, self.cfg.data.train_batch_size
@@ -568,8 +658,12 @@ class GRPOTrainer:
         return {k: v for k, v in stats.items() if k.endswith("/mean") or k.endswith("/std")}
 
     # ------------------------------------------------------------------------------------------------ loop
-    def fit(self) -> None:
+    def fit(self) -> int:
+        """Train to ``trainer.total_steps`` (or to the step boundary after SIGTERM/SIGINT); returns the exit code."""
         cfg = self.cfg
+        self.exit_code = 0
+        self._signals: list[int] = []
+        self._install_signal_handlers()
         bar = None
         if self.ctx.is_main and cfg.trainer.progress_bar:
             from tqdm import tqdm
@@ -578,17 +672,30 @@ class GRPOTrainer:
         if self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_plain(cfg), indent=2))
-        pending_val = self.validate() if self.step == 0 else {}
+        with self._where("validate", self.step):
+            pending_val = self.validate() if self.step == 0 else {}
         while self.step < cfg.trainer.total_steps:
             metrics = {**pending_val, **self.train_step()}
             pending_val = {}
+            self._check_update(metrics)
             self.step += 1
             last = self.step == cfg.trainer.total_steps
             if cfg.trainer.val_freq and self.step % cfg.trainer.val_freq == 0 or last:
-                metrics.update(self.validate())
+                with self._where("validate", self.step):
+                    metrics.update(self.validate())
             self.metrics.log(self.step, metrics)
-            if (cfg.trainer.save_freq and self.step % cfg.trainer.save_freq == 0) or last:
-                self.save_checkpoint()
+            signum = self._signal_seen()
+            if (cfg.trainer.save_freq and self.step % cfg.trainer.save_freq == 0) or last or \
+                    (signum and cfg.trainer.save_on_signal):
+                with self._where("checkpoint", self.step):
+                    self.save_checkpoint()
+            if signum:
+                logger.warning("rank %d: %s received; %s at step %d, exiting", self.ctx.rank,
+                               signal.Signals(signum).name,
+                               "checkpoint saved" if cfg.trainer.save_on_signal else "no checkpoint "
+                               "(trainer.save_on_signal=false)", self.step)
+                self.exit_code = _SIGNAL_EXIT.get(signum, 128 + signum)
+                break
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/score/mean', float('nan')):.3f}",
@@ -597,16 +704,51 @@ class GRPOTrainer:
             bar.close()
         self.metrics.close()
         self.trace.close()
+        return self.exit_code
+
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM (a scheduler's preemption) and SIGINT are noted and acted on at the next step boundary."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in _SIGNAL_EXIT:
+            signal.signal(signum, lambda s, _frame: self._signals.append(s))
+
+    def _signal_seen(self) -> int:
+        """The signal any rank has received (every rank agrees, so all stop at the same step), or 0."""
+        mine = float(self._signals[0]) if self._signals else 0.0
+        t = torch.tensor([mine], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _check_update(self, metrics: dict[str, float]) -> None:
+        """A non-finite update was rolled back by the engine (``on_nonfinite=skip``: said and counted) or stops the
+        run (``stop``)."""
+        bad = metrics.get("actor/nonfinite", 0.0)
+        if not bad:
+            return
+        detail = ", ".join(f"{k}={metrics.get(k)}" for k in ("actor/loss", "actor/grad_norm", "actor/lr"))
+        if self.cfg.trainer.on_nonfinite == "stop":
+            raise NonFiniteUpdateError(
+                f"step {self.step}: {int(bad)} of {int(metrics.get('actor/optimizer_steps', 1))} optimizer steps "
+                f"gave non-finite weights or loss ({detail}); trainer.on_nonfinite=stop. Lower actor.optim.lr or "
+                "raise actor.optim.eps, or set trainer.on_nonfinite=skip to roll such updates back")
+        if self.ctx.is_main:
+            logger.warning("step %d: %d optimizer step(s) gave non-finite weights or loss (%s); rolled back to the "
+                           "pre-step weights and optimizer state (trainer.on_nonfinite=skip)", self.step, int(bad),
+                           detail)
 
 
-def run(cfg: RunConfig) -> None:
-    """Entry point of ``scripts/train.py``: set up the process group, train, tear down."""
+def run(cfg: RunConfig) -> int:
+    """Entry point of ``scripts/train.py``: set up the process group, train, tear down; returns the exit code."""
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx = init_distributed(cfg.trainer.device)
+    die_with_parent()
+    ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     try:
-        GRPOTrainer(cfg, ctx).fit()
+        return GRPOTrainer(cfg, ctx).fit()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from backends.comm import allreduce_counts
 from protocol.algos.logprob import logprobs_of_targets, response_logit_positions
 from backends.model.hf import check_hf_config
 from backends.model.llama import LlamaModel
-from backends.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from backends.optim import StepSnapshot, all_finite, build_lr_scheduler, build_optimizer, clip_grad_norm, lr_factor
 from protocol.algos.losses import entropy_bonus, global_counts, kl_loss, policy_loss
 from protocol.batch.nested import to_nested
 
@@ -77,6 +78,10 @@ class FSDPEngine(Engine):
             self.fsdp_mesh = init_device_mesh(dev, (world // fsdp_size, fsdp_size),
                                               mesh_dim_names=("replicate", "shard"))
         self.dp_sp_mesh = init_device_mesh(dev, (self._dp_size, sp), mesh_dim_names=("dp", "sp"))
+        if config.dist_timeout_s is not None:  # mesh groups take torch's default timeout, not the default group's
+            for mesh in (self.fsdp_mesh, self.dp_sp_mesh):
+                for i in range(mesh.ndim):
+                    mesh.get_group(i).set_timeout(timedelta(seconds=float(config.dist_timeout_s)))
         self._dp_group = self.dp_sp_mesh["dp"].get_group()
         self.sp_group = self.dp_sp_mesh["sp"].get_group()
         self._attention = ulysses_attention(self.sp_group) if sp > 1 else None
@@ -243,17 +248,26 @@ class FSDPEngine(Engine):
         self.model.set_requires_gradient_sync(True)
         grad_norm, finite = clip_grad_norm(self.model.parameters(), self.config.optim.clip_grad)
         lr = self.lr_scheduler.get_last_lr()[0]
+        nonfinite = False
         if finite:
+            before = StepSnapshot(self.model.parameters(), [self.optimizer]) if self.config.rollback_nonfinite \
+                else None
             self.optimizer.step()
+            # a finite gradient can still make a non-finite weight (a huge lr, an update overflowing the dtype)
+            nonfinite = not all_finite(self.model.parameters(), device=self.device)
+            if nonfinite and before is not None:
+                before.restore()
         else:  # a non-finite gradient norm: keep the parameters and the optimizer state, report the skip
             self.optimizer.zero_grad(set_to_none=True)
+            nonfinite = True
         self.lr_scheduler.step()
         self.global_step += 1
         tot = allreduce_counts(sums.tolist(), self._dp_group, self.device)
         return {
             "loss": tot[0], "pg_loss": tot[1], "pg_clipfrac": tot[2], "ppo_kl": tot[3], "entropy": tot[4],
             "kl_loss": tot[5], "grad_norm": grad_norm, "lr": lr, "tokens": g_tokens, "seqs": g_seqs,
-            "skipped": 0.0 if finite else 1.0, "micro_batches": float(n_mb), "time": time.perf_counter() - t0,
+            "skipped": 0.0 if finite and not nonfinite else 1.0, "nonfinite": float(nonfinite),
+            "micro_batches": float(n_mb), "time": time.perf_counter() - t0,
             "global_step": float(self.global_step),
         }
 
@@ -297,4 +311,13 @@ class FSDPEngine(Engine):
 
     def load_checkpoint(self, path: str) -> dict:
         self.global_step, extra = ckpt.load(path, self.model, self.optimizer, self.lr_scheduler)
+        # the optimizer settings are this engine's config, not the saved ones (a resume may change lr or decay)
+        oc = self.config.optim
+        self.lr_scheduler.base_lrs = [oc.lr for _ in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["initial_lr"], g["lr"] = oc.lr, oc.lr * lr_factor(self.lr_scheduler.last_epoch, oc)
+            g["weight_decay"] = oc.weight_decay
+            if "betas" in g:
+                g["betas"], g["eps"] = tuple(oc.betas), oc.eps
+        self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         return extra

@@ -23,7 +23,7 @@ from backends.megatron.convert import ConversionError, expected_project_names, f
 from backends.megatron.cpu_shim import apply_cpu_shim
 from backends.megatron.logprob import vocab_parallel_logprobs_entropy
 from backends.megatron.model import build_model_chunks, te_available, transformer_config
-from backends.optim import lr_factor
+from backends.optim import StepSnapshot, all_finite, lr_factor
 from dispatch.topology import Topology
 from protocol.algos.losses import entropy_bonus, kl_loss, policy_loss
 from protocol.batch.nested import to_nested
@@ -119,6 +119,8 @@ class MegatronEngine(Engine):
             context_parallel_size=par.cp,
             expert_model_parallel_size=par.ep,
             expert_tensor_parallel_size=par.etp,
+            **({} if config.dist_timeout_s is None else
+               {"distributed_timeout_minutes": float(config.dist_timeout_s) / 60.0}),
         )
         try:
             model_parallel_cuda_manual_seed(int(config.seed))
@@ -478,7 +480,7 @@ class MegatronEngine(Engine):
         for opt in self._sub_optimizers:
             for g in opt.param_groups:
                 g["lr"] = lr
-        grad_norm, skipped = self._optimizer_step()
+        grad_norm, skipped, nonfinite = self._optimizer_step()
         self.step += 1
 
         local = torch.zeros(6, dtype=torch.float64)
@@ -492,27 +494,37 @@ class MegatronEngine(Engine):
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         metrics.update(grad_norm=float(grad_norm), lr=lr, tokens=counts[0], seqs=counts[1],
-                       skipped=float(skipped), micro_batches=float(len(mbs)), time=float(elapsed),
+                       skipped=float(skipped), nonfinite=float(nonfinite), micro_batches=float(len(mbs)),
+                       time=float(elapsed),
                        global_step=float(self.step))
         return metrics
 
     @torch.no_grad()
-    def _optimizer_step(self) -> tuple[float, bool]:
-        """Prepare grads, norm, skip on a non-finite norm, else clip and step; return (pre-clip norm, skipped)."""
+    def _optimizer_step(self) -> tuple[float, bool, bool]:
+        """Prepare grads, norm, skip on a non-finite norm, else clip and step; a step that leaves a non-finite
+        weight is rolled back (``rollback_nonfinite``). Returns (pre-clip norm, skipped, non-finite)."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         if found_inf or not math.isfinite(grad_norm):
             self.optimizer.zero_grad()
-            return grad_norm, True
+            return grad_norm, True, True
         clip = self.config.optim.clip_grad
         for opt in self._sub_optimizers:
             params = opt.get_parameters()
             if params:
                 clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=grad_norm)
+        inner = [getattr(opt, "optimizer", opt) for opt in self._sub_optimizers]
+        model_params = [p for c in self.chunks for p in c.parameters()]
+        main_params = [p for o in inner for g in o.param_groups for p in g["params"]]
+        before = StepSnapshot(model_params + main_params, inner) if self.config.rollback_nonfinite else None
         self.optimizer.step_with_ready_grads()
-        return grad_norm, False
+        if all_finite(model_params, device=self.device):
+            return grad_norm, False, False
+        if before is not None:
+            before.restore()
+        return grad_norm, True, True
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:

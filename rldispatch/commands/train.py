@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from rldispatch.known_warnings import install as install_known_warnings
 
@@ -24,19 +25,33 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return config_error(exc)
 
     from rldispatch.grpo import run
 
     try:
-        run(cfg)
-    except ConfigError as exc:  # settings that only fail against the world size (topology, batch settings)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return run(cfg)
+    except ConfigError as exc:  # settings checked against the world size, the run dir or a checkpoint's config
+        return config_error(exc)
+
+
+# how long ranks other than 0 wait before printing the error themselves: the launcher stops every worker once one
+# exits, so rank 0 (which prints at once) must not be killed by an earlier exit of another rank
+_OTHER_RANKS_WAIT_S = 3.0
+
+
+def config_error(exc: Exception) -> int:
+    """Print ``config error: ...`` as the last line of this worker's output and return exit code 2.
+
+    Rank 0 prints at once; another rank waits a little first, so it prints only an error rank 0 did not have
+    (torchrun stops it after rank 0 exits)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(_OTHER_RANKS_WAIT_S)
+    sys.stdout.flush()
+    prefix = f"[rank {rank}] " if rank else ""
+    print(f"{prefix}config error: {exc}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":
