@@ -36,6 +36,8 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
+from protocol.config import ConfigError
+
 __all__ = [
     "CharTokenizer",
     "HFTokenizer",
@@ -69,11 +71,11 @@ class TokenIdError(ValueError):
     """A token id outside ``[0, vocab_size)`` or not an integer."""
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ConfigError):
     """A tokenizer source that cannot be loaded (no such folder, no tokenizer files, no EOS token)."""
 
 
-class VocabularyError(ValueError):
+class VocabularyError(ConfigError):
     """The tokenizer has more tokens than the model's embedding has rows."""
 
 
