@@ -480,14 +480,13 @@ def _quick_repair(w: np.ndarray, parts: list[list[int]], swaps: int, stop: float
     rows = [sorted(p, key=wl.__getitem__) for p in parts]
     vals = [[wl[i] for i in r] for r in rows]
     loads = [sum(v) for v in vals]
-    k, m = len(rows), len(rows[0])
+    m = len(rows[0])
     eps = 1e-12 * max(max(loads), 1.0)
-    ks = range(k)
     for _ in range(swaps):
-        h = max(ks, key=loads.__getitem__)
-        if loads[h] <= stop:
+        top = max(loads)
+        if top <= stop:
             break
-        o = min(ks, key=loads.__getitem__)
+        h, o = loads.index(top), loads.index(min(loads))
         gap = loads[h] - loads[o]
         half = gap / 2.0
         hv, ov = vals[h], vals[o]

@@ -14,7 +14,7 @@ tags of all ranks, deterministically, so every rank arrives at the same plan wit
 
 Within those limits samples are packed heaviest first into the currently lightest micro-batch, which
 evens out the micro-batches' workloads; where that greedy does not fit the count, a dense packing is split
-and rebalanced under the cap instead. ``small_ends`` then orders them lightest at both ends.
+instead. Under a token budget the bins are then rebalanced by moves and exchanges that keep the cap. ``small_ends`` then orders them lightest at both ends.
 
 Example::
 
@@ -257,6 +257,8 @@ def split_micro_batches(ranks: Sequence[Sequence[int]], workloads: Sequence[floa
         count += multiple_of  # greedy packing is not monotone in the count; try the next admissible one
     out = []
     for r, bins in zip(members, packed):
+        if token_cap is not None:  # even out workloads further by moves/exchanges that keep the cap
+            bins = _rebalance([list(b) for b in bins], w[r].tolist(), t[r].tolist(), token_cap)
         glob = [[int(r[i]) for i in b] for b in bins]
         glob.sort(key=lambda b: b[0])
         if small_ends:
