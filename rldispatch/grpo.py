@@ -731,12 +731,12 @@ class GRPOTrainer:
         detail = ", ".join(f"{k}={metrics.get(k)}" for k in ("actor/loss", "actor/grad_norm", "actor/lr"))
         if self.cfg.trainer.on_nonfinite == "stop":
             raise NonFiniteUpdateError(
-                f"step {self.step}: {int(bad)} of {int(metrics.get('actor/optimizer_steps', 1))} optimizer steps "
+                f"step {self.step + 1}: {int(bad)} of {int(metrics.get('actor/optimizer_steps', 1))} optimizer steps "
                 f"gave non-finite weights or loss ({detail}); trainer.on_nonfinite=stop. Lower actor.optim.lr or "
                 "raise actor.optim.eps, or set trainer.on_nonfinite=skip to roll such updates back")
         if self.ctx.is_main:
             logger.warning("step %d: %d optimizer step(s) gave non-finite weights or loss (%s); rolled back to the "
-                           "pre-step weights and optimizer state (trainer.on_nonfinite=skip)", self.step, int(bad),
+                           "pre-step weights and optimizer state (trainer.on_nonfinite=skip)", self.step + 1, int(bad),
                            detail)
 
 

@@ -1,0 +1,229 @@
+"""Fault injection on the main job (scripts/train.py, 2 gloo ranks under torchrun): a stuck peer, a killed launcher,
+SIGTERM, killed and damaged checkpoint saves, a reused run dir, and non-finite updates.
+
+Each launch is a real run of the shipped tiny config; processes are found by the launch marker in their environment
+(tests/conftest.py), and every launch is taken down with all its processes whatever happens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import LAUNCH_MARKER_ENV, REPO, _free_port, _kill_launch, launched_pids
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+TRAIN = str(REPO / "scripts" / "train.py")
+CONFIG = str(REPO / "configs" / "grpo_tiny.yaml")
+TIMEOUT_S = 15  # trainer.dist_timeout_s of these runs: far above any wait of a healthy tiny step
+
+
+@pytest.fixture(scope="module")
+def data_args(tmp_path_factory) -> list[str]:
+    """One generated data set for every launch of the module (the first launch writes it)."""
+    d = tmp_path_factory.mktemp("data")
+    return [f"data.train_files=[{d}/train.parquet]", f"data.val_files=[{d}/val.parquet]"]
+
+
+def _args(data_args: list[str], run_dir: Path, *extra: str) -> list[str]:
+    return ["--config", CONFIG, "trainer.progress_bar=false", "trainer.tensorboard=false", "data.val_batch_size=4",
+            "data.train_size=64", "data.val_size=8", f"trainer.dist_timeout_s={TIMEOUT_S}",
+            f"trainer.run_dir={run_dir}", *data_args, *extra]
+
+
+class Launch:
+    """torchrun x2 started in the background (output to files), so a test can signal it while it trains."""
+
+    def __init__(self, args: list[str]):
+        self.marker = os.urandom(8).hex()
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", TRAIN, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), LAUNCH_MARKER_ENV: self.marker}
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, env=env, cwd=REPO,
+                                     start_new_session=True)
+
+    def workers(self) -> dict[int, int]:
+        """rank -> pid of the live workers."""
+        out = {}
+        for pid in launched_pids(self.marker):
+            try:
+                env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                           if b"=" in kv)
+            except OSError:
+                continue
+            if b"RANK" in env and pid != self.proc.pid:
+                out[int(env[b"RANK"])] = pid
+        return out
+
+    def output(self) -> str:
+        text = []
+        for f in (self._out, self._err):
+            f.seek(0)
+            text.append(f.read().decode(errors="replace"))
+        return "\n".join(text)
+
+    def wait_for(self, what: str, cond, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what}: not within {timeout}s\n{self.output()[-6000:]}")
+            if self.proc.poll() is not None and not cond():
+                pytest.fail(f"{what}: the launch exited {self.proc.returncode} first\n{self.output()[-6000:]}")
+            time.sleep(0.2)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launch did not end within {timeout}s\n{self.output()[-6000:]}")
+
+    def close(self) -> list[int]:
+        """Take every process of the launch down; the pids that were still alive besides torchrun."""
+        left = _kill_launch(self.proc, self.marker)
+        return left
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run(args: list[str], timeout: float = 120) -> tuple[int, str]:
+    launch = Launch(args)
+    try:
+        code = launch.wait(timeout)
+        return code, launch.output()
+    finally:
+        assert launch.close() == [], "a worker outlived the launch"
+
+
+def test_stuck_peer_ends_the_job_within_the_timeout(data_args, tmp_path):
+    """SIGSTOP rank 1 mid-run: rank 0's next collective times out after trainer.dist_timeout_s and the error names
+    its rank, step and stage (the launch would otherwise wait 30 minutes)."""
+    run_dir = tmp_path / "run"
+    launch = Launch(_args(data_args, run_dir, "trainer.total_steps=200"))
+    try:
+        launch.wait_for("the first step", lambda: len(_records(run_dir)) >= 1, 120)
+        stuck = launch.workers()[1]
+        os.kill(stuck, signal.SIGSTOP)
+        # bounded by the timeout plus the time to raise and print (no progress is possible without rank 1)
+        launch.wait_for("rank 0's timeout error", lambda: "[rank 0/2] in step" in launch.output(), TIMEOUT_S + 45)
+        os.kill(stuck, signal.SIGCONT)  # the launcher's SIGTERM reaches a stopped process only once it runs again
+        code = launch.wait(60)
+    finally:
+        left = launch.close()
+    out = launch.output()
+    assert code != 0
+    assert left == []
+    assert "stage '" in out and ("timed out" in out.lower() or "timeout" in out.lower()), out[-4000:]
+
+
+def test_killed_launcher_leaves_no_worker(data_args, tmp_path):
+    """SIGKILL torchrun alone: its workers die with it (parent-death signal) instead of training on as orphans."""
+    run_dir = tmp_path / "run"
+    launch = Launch(_args(data_args, run_dir, "trainer.total_steps=200"))
+    try:
+        launch.wait_for("the first step", lambda: len(_records(run_dir)) >= 1, 120)
+        assert len(launch.workers()) == 2
+        os.kill(launch.proc.pid, signal.SIGKILL)
+        launch.proc.wait(10)
+        deadline = time.monotonic() + 20
+        while launch.workers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        orphans = launch.workers()
+    finally:
+        launch.close()
+    assert orphans == {}, f"workers {orphans} outlived their killed launcher"
+
+
+def test_sigterm_saves_at_the_step_boundary_then_resume_falls_back_past_damaged_checkpoints(data_args, tmp_path):
+    """SIGTERM both workers (a scheduler's preemption): they finish the step, checkpoint it and exit 143. A killed
+    later save (a ``.partial`` folder) and a damaged newest checkpoint are skipped by resume=auto, which resumes
+    from the newest intact one and re-logs only the steps it redoes; a fresh run into the folder is refused."""
+    run_dir = tmp_path / "run"
+    launch = Launch(_args(data_args, run_dir, "trainer.total_steps=200", "trainer.save_freq=1"))
+    try:
+        launch.wait_for("two steps", lambda: len(_records(run_dir)) >= 2, 150)
+        for pid in launch.workers().values():
+            os.kill(pid, signal.SIGTERM)
+        launch.wait(90)
+    finally:
+        assert launch.close() == []
+    out = launch.output()
+    assert "exitcode  : 143" in out and "SIGTERM received; checkpoint saved" in out, out[-4000:]
+    ckpts = run_dir / "checkpoints"
+    last = len(_records(run_dir))
+    assert (ckpts / "latest").read_text() == f"step_{last}"  # the signal's step was saved, and named only then
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == sorted(f"step_{i}" for i in range(1, last + 1))
+
+    # what a save killed mid-write leaves behind, and a newest checkpoint damaged after it was written
+    shutil.copytree(ckpts / f"step_{last}", ckpts / f"step_{last + 1}.partial")
+    (ckpts / f"step_{last + 1}.partial" / "engine_state.pt").write_bytes(b"trunc")
+    (ckpts / f"step_{last}" / "engine_state.pt").write_bytes(b"trunc")
+    before = _records(run_dir)
+    code, out = _run(_args(data_args, run_dir, f"trainer.total_steps={last + 1}", "trainer.resume=auto",
+                           "actor.optim.lr=0.0005"))
+    assert code == 0, out[-6000:]
+    assert f"skipping {ckpts / f'step_{last + 1}.partial'}: an unfinished save" in out
+    assert f"skipping checkpoint {ckpts / f'step_{last}'}" in out
+    assert f"resumed from {ckpts / f'step_{last - 1}'} at step {last - 1}; dropped 1 metrics records" in out
+    assert "actor.optim.lr changed 0.001 -> 0.0005 (applied)" in out
+    after = _records(run_dir)
+    assert [r["step"] for r in after] == list(range(1, last + 2))  # no step logged twice
+    assert after[:last - 1] == before[:last - 1]
+    assert [r["actor/lr"] for r in after[last - 1:]] == [0.0005, 0.0005]
+
+    # the finished run's folder is not reused by a fresh run: exit code 2, nothing of the old run touched
+    code, out = _run(_args(data_args, run_dir, "trainer.total_steps=2"))
+    assert code != 0 and "exitcode  : 2" in out, out[-4000:]
+    assert f"config error: trainer.run_dir='{run_dir}' already holds a run" in out
+    assert _records(run_dir) == after
+    # a resume that changes the data order is refused the same way
+    code, out = _run(_args(data_args, run_dir, f"trainer.total_steps={last + 2}", "trainer.resume=auto",
+                           "data.shuffle=false"))
+    assert code != 0 and "data.shuffle was True, now False" in out, out[-4000:]
+
+
+def _checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+def test_nonfinite_updates_are_rolled_back_or_stop_the_run(data_args, tmp_path):
+    """actor.optim.eps=1e-50 is > 0 but 0 in float32: a parameter whose gradient is 0 gets 0/0 = NaN in AdamW's
+    first update. With on_nonfinite=skip every such update is rolled back (weights of step 1 and 2 are the finite
+    initial ones, the loss stays finite, actor/nonfinite counts them); with stop the run ends naming the step."""
+    run_dir = tmp_path / "skip"
+    code, out = _run(_args(data_args, run_dir, "trainer.total_steps=2", "trainer.save_freq=1",
+                           "actor.optim.eps=1e-50"))
+    assert code == 0, out[-6000:]
+    records = _records(run_dir)
+    assert [r["actor/nonfinite"] for r in records] == [2.0, 2.0]  # both optimizer steps of each step
+    assert all(r["actor/loss"] is not None for r in records)
+    assert "rolled back to the pre-step weights and optimizer state" in out
+    w1, w2 = (_checkpoint_weights(run_dir / "checkpoints" / f"step_{i}") for i in (1, 2))
+    assert w1.keys() == w2.keys() and w1
+    for name in w1:
+        assert torch.isfinite(w1[name]).all(), name
+        assert torch.equal(w1[name], w2[name]), name
+
+    code, out = _run(_args(data_args, tmp_path / "stop", "trainer.total_steps=2", "actor.optim.eps=1e-50",
+                           "trainer.on_nonfinite=stop"))
+    assert code != 0
+    assert "NonFiniteUpdateError: step 1: 2 of 2 optimizer steps gave non-finite weights or loss" in out, out[-4000:]
