@@ -17,6 +17,7 @@ from tensordict import TensorDict
 
 from protocol.batch.nested import to_nested
 from protocol.store import KVStore, StepStore
+from protocol.store.batching import jagged_rows
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 
@@ -29,10 +30,12 @@ class DataPlaneError(KeyError):
 
 
 def _rows(td: TensorDict, field: str, n: int) -> list[torch.Tensor]:
+    """Per-key values of one fetched field, cut once (never indexed per key: that unbinds a jagged field each time)."""
     value = td.get(field)
-    if getattr(value, "is_nested", False):
-        return list(value.unbind())
-    return [value[i] for i in range(n)]
+    rows = jagged_rows(value) if getattr(value, "is_nested", False) else list(value.unbind(0))
+    if len(rows) != n:
+        raise DataPlaneError(f"field {field!r}: the local store returned {len(rows)} values for {n} keys")
+    return rows
 
 
 def _assemble(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -43,6 +43,7 @@ from protocol.algos.scorers import (
     register_scorer,
 )
 from protocol.algos.scorers.gsm8k import gsm8k_score
+from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged
 from protocol.registry import Registry
 
 __all__ = [
@@ -453,8 +454,8 @@ def compute_rm_scores(
     """
     jagged = isinstance(response_mask, Tensor) and response_mask.is_nested
     if jagged:
-        lengths = [int(t.shape[0]) for t in response_mask.unbind()]
-        mask = response_mask.to_padded_tensor(0) if lengths else response_mask.new_zeros(0, 0)
+        lengths = nested_lengths(response_mask)  # from the offsets: no per-row unbind
+        mask = jagged_to_padded(response_mask) if lengths.numel() else response_mask.values().new_zeros(0, 0)
         if mask.dim() != 2:
             raise RewardError(f"jagged response_mask must hold 1-D rows, got padded shape {tuple(mask.shape)}")
     else:
@@ -482,5 +483,5 @@ def compute_rm_scores(
     out[rows, idx[rows]] = scores.to(mask.device)[rows]
     dropped = int((real & (idx < 0)).sum())
     if jagged:
-        out = torch.nested.as_nested_tensor([out[i, :lengths[i]] for i in range(n)], layout=torch.jagged)
+        out = padded_to_jagged(out, lengths)  # one masked gather, not one slice per row
     return (out, dropped) if with_dropped else out

@@ -22,6 +22,7 @@ from protocol.batch.nested import nested_from_values
 from .errors import FieldShapeError, preview
 
 __all__ = [
+    "jagged_rows",
     "split_rows",
     "per_key_fields",
     "single_key_fields",
@@ -46,6 +47,21 @@ def _own_copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def jagged_rows(nt: torch.Tensor) -> list[torch.Tensor]:
+    """The components of a jagged nested tensor as views of its values, cut once at its offsets.
+
+    Same result as ``nt.unbind(0)``, without the nested tensor's per-component checks; indexing ``nt[i]`` per
+    component would instead unbind the whole tensor each time (quadratic in the batch).
+    """
+    if nt.layout != torch.jagged:
+        return list(nt.unbind(0))
+    if nt._lengths is not None or not nt.is_contiguous():
+        nt = nt.contiguous()
+    values = nt.values()
+    lengths = nt.offsets().diff().tolist()
+    return list(torch.split(values, lengths, 0)) if lengths else []
+
+
 def split_rows(name: str, value: Any, n: int) -> list[torch.Tensor]:
     """Cut one batched field (dim 0 = keys) into ``n`` per-key tensors, each an own CPU copy.
 
@@ -54,7 +70,7 @@ def split_rows(name: str, value: Any, n: int) -> list[torch.Tensor]:
     """
     if isinstance(value, torch.Tensor):
         if value.is_nested:
-            rows = list(value.unbind(0))
+            rows = jagged_rows(value)
         else:
             if value.dim() == 0:
                 raise FieldShapeError(f"field {name!r}: a batched value needs a batch dim 0 of size {n}, "

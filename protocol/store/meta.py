@@ -36,6 +36,21 @@ class MetaIndexError(ValueError, IndexError):
     """Positions asked of a KVBatchMeta that are out of range or repeated."""
 
 
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def _copy_tag(value: Any) -> Any:
+    """A deep copy of a tag value; JSON-shaped values (the store's tags) are copied without ``copy.deepcopy``'s
+    memo bookkeeping, which costs more than the rest of a large batch's construction."""
+    if isinstance(value, _ATOMS):
+        return value
+    if type(value) is dict:
+        return {k: v if isinstance(v, _ATOMS) else _copy_tag(v) for k, v in value.items()}
+    if type(value) is list:
+        return [v if isinstance(v, _ATOMS) else _copy_tag(v) for v in value]
+    return copy.deepcopy(value)
+
+
 def _preview(items: Sequence[Any], limit: int = 5) -> str:
     """Up to ``limit`` items and the total count, for error messages."""
     shown = ", ".join(repr(x) for x in list(items)[:limit])
@@ -84,7 +99,7 @@ class KVBatchMeta:
             raise ValueError(f"KVBatchMeta.keys must be unique; duplicated: {_preview(sorted(set(dups)))}")
         if not isinstance(self.extra_info, dict):
             raise TypeError(f"KVBatchMeta.extra_info must be a dict, got {type(self.extra_info).__name__}")
-        self.tags = [copy.deepcopy(t) for t in self.tags]
+        self.tags = [_copy_tag(t) for t in self.tags]
         self.extra_info = copy.deepcopy(self.extra_info)
 
     def __len__(self) -> int:

@@ -1,0 +1,237 @@
+"""Cost of the GRPO step's non-model stages per trajectory, from 512 to 32768 trajectories, on 1 and 2 gloo ranks.
+
+The trainer's own stage methods run on a :class:`rldispatch.grpo.GRPOTrainer` built without engines: rollout
+generation is a synthetic token sampler (instant), reference log-probs are written synthetically, and everything
+else is the real code path — agent-loop post-processing and store puts, replay sampling, padding and planning, the
+dispatch fetch of each rank's share, reward scoring with the built-in scorers, bypass old log-probs, KL metrics,
+advantage, metrics and clear. A linear step costs the same milliseconds per 1k trajectories at every size::
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step_overhead.py --out /tmp/overhead.json
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step_overhead.py --sizes 512,2048 --worlds 1
+
+Prints per stage: ms per 1k trajectories at each size, and the growth ratio of that figure per size doubling
+(1.0 = linear; 2.0 = quadratic). On 2 ranks a stage's time is the slowest rank's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tensordict import TensorDict
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+#: the non-model stages timed, in step order ("rollout_put" is the rollout minus generation)
+STAGES = ("rollout_put", "sample", "plan", "reward", "dispatch", "old_log_prob", "kl", "advantage", "metrics",
+          "clear")
+ROLLOUT_N = 8
+
+
+class SyntheticRollout:
+    """Stands in for the rollout engine: instant, deterministic random responses with log-probs (no model)."""
+
+    def __init__(self, vocab: int, max_tokens: int, stop_ids: set[int]):
+        self.vocab, self.max_tokens, self.stop_token_ids = vocab, max_tokens, stop_ids
+        self.rng = random.Random(0)
+
+    def reseed(self, seed: int, rank: int = 0) -> None:
+        self.rng = random.Random(seed * 31 + rank)
+
+    async def agenerate(self, prompt_ids, sampling_params=None):
+        n = self.rng.randint(1, self.max_tokens)
+        ids = [self.rng.randrange(4, self.vocab) for _ in range(n)]
+        return ids, [-self.rng.random() for _ in ids]
+
+
+def build_trainer(size: int, rank: int, world: int, work: Path):
+    """A GRPOTrainer of the shipped tiny config for ``size`` trajectories, with every component but the engines."""
+    from dispatch import Topology
+    from protocol.algos.kl import FixedKLController
+    from protocol.algos.reward import build_reward_manager
+    from protocol.rollout.agent_loop import build_agent_loop
+    from protocol.rollout.dataset import RLHFDataset
+    from protocol.rollout.tasks.data import write_task_data
+    from protocol.rollout.tokenizer import decode_response, load_tokenizer, resolve_tokenizer, stop_token_ids
+    from protocol.store import LocalStore
+    from protocol.store.replay_buffer import ReplayBuffer
+    from rldispatch.bridge import StoreBridge
+    from rldispatch.config import load_config
+    from rldispatch.dataplane import ShardedStore
+    from rldispatch.grpo import DistContext, GRPOTrainer
+    from rldispatch.metrics import MetricsLogger
+    from rldispatch.trace import TraceRecorder
+
+    prompts = size // ROLLOUT_N
+    data = work / "data"
+    cfg = load_config("grpo_tiny", [
+        f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={max(prompts // 4, 1)}",
+        f"data.train_files=[{data}/train.parquet]", f"data.val_files=[{data}/val.parquet]",
+        "rollout.log_prob_mode=bypass", "algorithm.use_kl_in_reward=true", f"trainer.run_dir={work}/run"])
+    if rank == 0 and not (data / "train.parquet").exists():
+        write_task_data(str(data), cfg.data.task, train=prompts, val=8, seed=0)
+    if world > 1:
+        dist.barrier()
+    t = GRPOTrainer.__new__(GRPOTrainer)  # __init__ would build the engines
+    t.cfg, t.ctx = cfg, DistContext(rank, world, torch.device("cpu"))
+    t.run_dir = Path(cfg.trainer.run_dir)
+    t.topology = Topology.from_config(cfg.actor.parallel, world)
+    t.dp_rank, t.reporting = t.topology.dp_rank(rank), t.topology.is_reporting(rank)
+    t.tokenizer = load_tokenizer(resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
+    t.train_set = RLHFDataset(cfg.data.train_files, t.tokenizer, cfg.data.max_prompt_length,
+                              prompt_key=cfg.data.prompt_key)
+    t.store = ShardedStore(LocalStore())
+    t.bridge, t.ref_bridge = StoreBridge(None, t.store), None
+    t.replay = ReplayBuffer(t.store, "train", failure_policy=cfg.replay.failure_policy)
+    t.rollout = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer))
+    t.agent_loop = build_agent_loop(cfg.rollout.agent_loop, t.rollout.agenerate, tokenizer=t.tokenizer,
+                                    max_response_length=cfg.data.max_response_length)
+    t.reward_manager = build_reward_manager(
+        cfg.reward, cfg.custom_reward_function,
+        decode=functools.partial(decode_response, t.tokenizer, stop_ids=t.rollout.stop_token_ids),
+        max_response_len=cfg.data.max_response_length)
+    t.kl_ctrl = FixedKLController(cfg.algorithm.kl_ctrl.kl_coef)
+    t.metrics = MetricsLogger(t.run_dir, rank == 0, tensorboard=False)
+    t.trace = TraceRecorder(str(work / f"trace{rank}.jsonl"), enabled=False, rank=rank)
+    t.engine = SimpleNamespace(is_reporting_rank=t.reporting)  # _kl_metrics asks whether this rank wrote its share
+    t.step = 0
+    return t
+
+
+def one_step(t, step: int, on_stage=None) -> dict[str, float]:
+    """One step of the non-model stages; returns seconds per stage on this rank (barriers between stages).
+
+    ``on_stage(name)`` is called as each stage starts (the complexity test counts operations per stage with it).
+    """
+    from rldispatch.grpo import TRAIN, StepState
+
+    t.step = step
+    st = StepState(step, t._sample_prompts())
+    times: dict[str, float] = {}
+    world = t.ctx.world
+
+    def timed(name, fn, *args):
+        if world > 1:
+            dist.barrier()
+        if on_stage is not None:
+            on_stage(name.removesuffix("_fetch"))
+        t0 = time.perf_counter()
+        out = fn(*args)
+        times[name] = time.perf_counter() - t0
+        return out
+
+    timed("rollout_put", t._generate, None, st)
+    meta = timed("sample", t._sample, None, st)
+    full = timed("plan", t._plan, meta, st)
+    timed("reward", t._compute_reward, full, st)
+    st.mine = timed("dispatch", lambda: st.plan.rank_meta(full, t.dp_rank))
+    inputs = timed("dispatch_fetch", t.bridge.fetch_infer_inputs, st.mine)
+    times["dispatch"] += times.pop("dispatch_fetch")
+    timed("old_log_prob", t._bypass_old_log_probs, st.own, st.own_pad)
+    t.store.sync()
+    # what the engines would write on the rank that scores the share (not timed): the old log-probs (the same
+    # values as the bypass wrote, so a rank holding both sees no conflict) and the reference's, shifted
+    share = st.mine.keys if t.reporting else []
+    old = t.store.fetch(share, TRAIN, ["old_log_probs"])
+    if share:
+        t.store.kv_batch_put(share, TRAIN, TensorDict({"old_log_probs": old["old_log_probs"],
+                                                       "ref_log_prob": old["old_log_probs"] - 0.1},
+                                                      batch_size=[len(share)]))
+    t.store.sync()
+    timed("kl", lambda: st.metrics.update(t._kl_metrics(st.mine, inputs)))
+    timed("advantage", t._compute_advantage, full, st)
+
+    def metrics():
+        st.metrics.update(t._sample_metrics(st.own, st.own_pad))
+        m = t._finish(st, 1.0)
+        t.metrics.log(step + 1, m)
+
+    timed("metrics", metrics)
+    timed("clear", t._clear, full, st)
+    return times
+
+
+def worker(rank: int, world: int, sizes: list[int], steps: int, port: int, work: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for size in sizes:
+            t = build_trainer(size, rank, world, Path(work) / f"n{size}")
+            runs = [one_step(t, s) for s in range(steps)]
+            measured = runs[1:] or runs  # the first step warms caches up
+            local = {k: statistics.median(r[k] for r in measured) for k in STAGES}
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, local)
+            results[size] = {k: max(g[k] for g in gathered) for k in STAGES}
+            results[size]["total"] = sum(results[size][k] for k in STAGES)
+            t.metrics.close()
+            if rank == 0:
+                print(f"  world={world} n={size}: total {results[size]['total'] * 1e3:.0f} ms", flush=True)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+def table(results: dict[int, dict[str, float]], world: int) -> tuple[str, dict]:
+    """Per stage: ms per 1k trajectories at each size and the growth ratio per doubling of the size."""
+    sizes = sorted(results)
+    rows, growth = [], {}
+    head = f"{'world=' + str(world):<14}" + "".join(f"{n:>9}" for n in sizes) + "   growth/doubling"
+    for k in (*STAGES, "total"):
+        per_k = [results[n][k] * 1e3 / (n / 1000) for n in sizes]
+        doublings = [(per_k[i + 1] / max(per_k[i], 1e-9)) ** (1 / math.log2(sizes[i + 1] / sizes[i]))
+                     for i in range(len(sizes) - 1)]
+        growth[k] = doublings
+        rows.append(f"{k:<14}" + "".join(f"{v:>9.1f}" for v in per_k) + "   "
+                    + " ".join(f"{g:.2f}" for g in doublings))
+    return "\n".join([head + "   (ms per 1k trajectories)", *rows]), growth
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="512,2048,8192,32768", help="trajectories per step, comma-separated")
+    p.add_argument("--worlds", default="1,2", help="gloo world sizes to run, comma-separated")
+    p.add_argument("--steps", type=int, default=2, help="steps per size; the first is a warm-up when >1")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    bad = [s for s in sizes if s % (ROLLOUT_N * 4) or s < ROLLOUT_N * 4]
+    if bad:
+        raise ValueError(f"--sizes: {bad} are not multiples of {ROLLOUT_N * 4} (rollout.n=8 x 4 mini-batches)")
+    report = {"sizes": sizes, "stages": list(STAGES), "worlds": {}}
+    with tempfile.TemporaryDirectory() as work:
+        for world in [int(w) for w in a.worlds.split(",")]:
+            res_path = Path(work) / f"res{world}.json"
+            port = 29000 + random.Random(os.getpid() + world).randrange(2000)
+            mp.start_processes(worker, args=(world, sizes, a.steps, port, work, str(res_path)), nprocs=world,
+                               join=True, start_method="spawn")
+            results = {int(k): v for k, v in json.loads(res_path.read_text()).items()}
+            text, growth = table(results, world)
+            print(text, flush=True)
+            report["worlds"][str(world)] = {"seconds": results, "growth_per_doubling": growth}
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
