@@ -99,3 +99,15 @@ def test_nested_sample_ops_per_stage_do_not_grow_with_the_batch(one_rank, tmp_pa
     per_group_small = {k: v / groups_small for k, v in small["rollout_put"].items()}
     per_group_large = {k: v / groups_large for k, v in large["rollout_put"].items()}
     assert per_group_small == per_group_large, (small["rollout_put"], large["rollout_put"])
+
+
+def test_overhead_fraction_counts_the_non_model_stages_only():
+    """(sample + plan + reward + advantage + clear) / step; model stages and the step total are left out."""
+    from rldispatch.grpo import MODEL_STAGES, overhead_fraction
+
+    times = {f"timing_s/{s}": 1.0 for s in MODEL_STAGES}
+    times.update({"timing_s/sample": 0.5, "timing_s/plan": 0.25, "timing_s/reward": 0.125,
+                  "timing_s/advantage": 0.0625, "timing_s/clear": 0.0625, "timing_s/step": 6.0})
+    assert overhead_fraction(times, 6.0) == pytest.approx(1.0 / 6.0)
+    assert overhead_fraction({"timing_s/update": 2.0}, 2.0) == 0.0
+    assert overhead_fraction(times, 0.0) == 0.0
