@@ -80,7 +80,9 @@ class StepSnapshot:
     """This rank's parameters and optimizer state before an update, to restore when the update is not finite.
 
     Costs one copy of the local parameter shards and optimizer state; :meth:`restore` writes the parameters back
-    in place (so views such as megatron-core's parameter buffer stay valid) and puts the old state back.
+    in place (so views such as megatron-core's parameter buffer stay valid) and puts the old state back. A state the
+    rolled-back step created (its first step) is zeroed rather than dropped: for Adam/AdamW zero moments and step
+    are exactly the lazy initial state, and megatron-core cannot save an optimizer with no state.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], optimizers: Sequence[torch.optim.Optimizer]):
@@ -96,9 +98,12 @@ class StepSnapshot:
         for p, saved in zip(self._params, self._values):
             _local(p).copy_(saved)
         for opt, saved in zip(self._optimizers, self._states):
+            created = {p: {k: torch.zeros_like(v) if torch.is_tensor(v) else v for k, v in st.items()}
+                       for p, st in opt.state.items() if p not in saved}
             opt.state.clear()
             for p, st in saved.items():
                 opt.state[p] = {k: _clone_state(v) for k, v in st.items()}
+            opt.state.update(created)
 
 
 def all_finite(tensors: Iterable[torch.Tensor], *scalars: float, device=None, group=None) -> bool:

@@ -63,7 +63,8 @@ from rldispatch.rollout import RolloutWorker
 from protocol.config import to_plain
 from rldispatch.trace import TraceRecorder
 
-__all__ = ["GRPOTrainer", "run", "NoUsableGroupsError", "NonFiniteUpdateError", "die_with_parent"]
+__all__ = ["GRPOTrainer", "run", "NoUsableGroupsError", "NonFiniteUpdateError", "die_with_parent", "MODEL_STAGES",
+           "overhead_fraction"]
 
 logger = logging.getLogger(__name__)
 TRAIN, VAL = "train", "val"
@@ -145,6 +146,18 @@ def batch_indices(num_rows: int, batch_size: int, step: int, seed: int, shuffle:
     else:
         order = list(range(num_rows))
     return order[pos * batch_size:(pos + 1) * batch_size]
+
+
+#: Stages whose time is the models' (rollout generation, log-probs of the policy and the reference, the update,
+#: the weight sync); every other stage (sample, plan, reward, advantage, clear) is the step's own overhead.
+MODEL_STAGES = ("rollout", "old_log_prob", "ref", "update", "weight_sync")
+
+
+def overhead_fraction(times: dict[str, float], step_seconds: float) -> float:
+    """The step's non-model share: the summed ``timing_s/<stage>`` of stages not in MODEL_STAGES over the step."""
+    model = {f"timing_s/{s}" for s in MODEL_STAGES} | {"timing_s/step", "timing_s/overhead_fraction"}
+    other = sum(v for k, v in times.items() if k.startswith("timing_s/") and k not in model)
+    return other / step_seconds if step_seconds > 0 else 0.0
 
 
 _SUMMED = ("tokens", "seqs", "micro_batches", "skipped", "nonfinite", "time")
@@ -553,6 +566,7 @@ class GRPOTrainer:
             self.kl_ctrl.update(m["kl/mean"], n_steps=self.cfg.data.train_batch_size)
         m["kl/coef"] = float(self.kl_ctrl.value)
         st.times["timing_s/step"] = seconds
+        st.times["timing_s/overhead_fraction"] = overhead_fraction(st.times, seconds)
         m.update(st.times)
         tokens = float(sum(t["seq_len"] for t in st.sampled.tags))
         m["perf/tokens_per_s"] = tokens / max(seconds, 1e-9)
@@ -707,13 +721,21 @@ class GRPOTrainer:
         return self.exit_code
 
     def _install_signal_handlers(self) -> None:
-        """SIGTERM (a scheduler's preemption) and SIGINT are noted and acted on at the next step boundary."""
+        """SIGTERM (a scheduler's preemption) and SIGINT are noted and acted on at the next step boundary; a second
+        one ends the process at once."""
         import threading
 
         if threading.current_thread() is not threading.main_thread():
             return
+
+        def note(signum: int, _frame) -> None:
+            if self._signals:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            self._signals.append(signum)
+
         for signum in _SIGNAL_EXIT:
-            signal.signal(signum, lambda s, _frame: self._signals.append(s))
+            signal.signal(signum, note)
 
     def _signal_seen(self) -> int:
         """The signal any rank has received (every rank agrees, so all stop at the same step), or 0."""

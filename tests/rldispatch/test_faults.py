@@ -227,3 +227,60 @@ def test_nonfinite_updates_are_rolled_back_or_stop_the_run(data_args, tmp_path):
                            "trainer.on_nonfinite=stop"))
     assert code != 0
     assert "NonFiniteUpdateError: step 1: 2 of 2 optimizer steps gave non-finite weights or loss" in out, out[-4000:]
+
+
+# ------------------------------------------------------------------------------------------------ in-process units
+def _adamw_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, eps=1e-8)
+
+
+def _step(model, opt, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(x).pow(2).sum().backward()
+    opt.step()
+
+
+def test_snapshot_restores_weights_and_optimizer_state_exactly():
+    """After a step has made state, a rolled-back step leaves weights and every state tensor bit-identical."""
+    from backends.optim import StepSnapshot
+
+    model, opt = _adamw_model()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    _step(model, opt, x)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    snap = StepSnapshot(model.parameters(), [opt])
+    _step(model, opt, x)
+    assert not torch.equal(model.weight, weights["weight"])  # the step did change them
+    snap.restore()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, state[id(p)][k]), k
+
+
+def test_rolled_back_first_step_then_a_step_equals_a_fresh_optimizers_first_step():
+    """Rolling back the very first step zeroes the state it created; the next step is exactly what a never-stepped
+    AdamW would do (zero moments and step are its lazy initial state)."""
+    from backends.optim import StepSnapshot, all_finite
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    model, opt = _adamw_model()
+    model.weight.data[0] = 0.0
+    model.bias.data.zero_()
+    snap = StepSnapshot(model.parameters(), [opt])
+    opt.param_groups[0]["eps"] = 0.0
+    _step(model, opt, torch.zeros(5, 4))  # zero input and zero bias: every gradient is 0, so 0/0 under eps=0
+    assert not all_finite(model.parameters())
+    snap.restore()
+    opt.param_groups[0]["eps"] = 1e-8
+    _step(model, opt, x)
+    ref, ref_opt = _adamw_model()
+    ref.weight.data[0] = 0.0
+    ref.bias.data.zero_()
+    _step(ref, ref_opt, x)
+    for (k, v), (_, w) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(v, w), k
