@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -284,3 +285,75 @@ def test_rolled_back_first_step_then_a_step_equals_a_fresh_optimizers_first_step
     _step(ref, ref_opt, x)
     for (k, v), (_, w) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(v, w), k
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor.optim.eps=0", "actor.optim.eps"), ("actor.optim.weight_decay=-1", "actor.optim.weight_decay"),
+    ("actor.optim.betas=[1.5,0.9]", "actor.optim.betas[0]"), ("actor.optim.betas=[0.9,1.0]", "actor.optim.betas[1]"),
+    ("actor.optim.lr=-0.1", "actor.optim.lr"), ("trainer.save_freq=-3", "trainer.save_freq"),
+    ("trainer.val_freq=-1", "trainer.val_freq"), ("data.val_batch_size=0", "data.val_batch_size"),
+    ("trainer.dist_timeout_s=0", "trainer.dist_timeout_s"), ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite"),
+    ("trainer.run_dir_exists=append", "trainer.run_dir_exists"),
+])
+def test_settings_that_would_fail_later_are_config_errors_naming_the_key(override, key):
+    from rldispatch.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(CONFIG, [override])
+
+
+def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
+    from rldispatch.config import ConfigError, load_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  total_steps: 3\n  seed: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    msg = str(info.value)
+    assert msg.startswith(f"{bad}:4:1: invalid YAML") and "\n" not in msg, msg
+
+
+def test_run_dir_claim_and_resume_config_comparison(tmp_path):
+    """A folder with another run's metrics is refused, kept on resume, emptied on overwrite; a resume refuses a
+    model/layout/data-order change and returns the other changes to apply."""
+    from types import SimpleNamespace
+
+    from rldispatch.config import ConfigError
+    from rldispatch.run_dir import check_resume_config, claim_run_dir
+
+    run = tmp_path / "run"
+    claim_run_dir(run, SimpleNamespace(resume="never", run_dir_exists="refuse"), is_main=True)  # empty: free
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(ConfigError, match="metrics.jsonl with 2 records; checkpoints step_2"):
+        claim_run_dir(run, SimpleNamespace(resume="never", run_dir_exists="refuse"), is_main=True)
+    claim_run_dir(run, SimpleNamespace(resume="auto", run_dir_exists="refuse"), is_main=True)
+    assert (run / "metrics.jsonl").exists()
+    claim_run_dir(run, SimpleNamespace(resume="never", run_dir_exists="overwrite"), is_main=True)
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+    saved = {"model": {"hidden_size": 32}, "actor": {"backend": "fsdp", "optim": {"lr": 0.001}},
+             "trainer": {"total_steps": 2, "resume": "never"}, "data": {"shuffle": True}}
+    now = json.loads(json.dumps(saved))
+    now["actor"]["optim"]["lr"], now["trainer"]["total_steps"], now["trainer"]["resume"] = 0.0005, 4, "auto"
+    assert check_resume_config({"config": saved}, now, "ckpt") == [("actor.optim.lr", 0.001, 0.0005),
+                                                                  ("trainer.total_steps", 2, 4)]
+    for dotted, value, expect in [("model.hidden_size", 64, "model.hidden_size was 32, now 64"),
+                                  ("data.shuffle", False, "data.shuffle was True, now False"),
+                                  ("actor.backend", "megatron", "written by the fsdp backend")]:
+        changed = json.loads(json.dumps(saved))
+        section, name = dotted.split(".")
+        changed[section][name] = value
+        with pytest.raises(ConfigError, match=re.escape(expect)):
+            check_resume_config({"config": saved}, changed, "ckpt")
+
+
+def test_metrics_keep_through_drops_the_steps_a_resume_redoes(tmp_path):
+    from rldispatch.metrics import MetricsLogger, read_metrics
+
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"x": float(step)})
+        assert log.keep_through(1) == 2
+        log.log(2, {"x": 20.0})
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 20.0)]
