@@ -191,11 +191,7 @@ def test_sigterm_saves_at_the_step_boundary_then_resume_falls_back_past_damaged_
     code, out = _run(_args(data_args, run_dir, "trainer.total_steps=2"))
     assert code != 0 and "exitcode  : 2" in out, out[-4000:]
     assert f"config error: trainer.run_dir='{run_dir}' already holds a run" in out
-    assert _records(run_dir) == after
-    # a resume that changes the data order is refused the same way
-    code, out = _run(_args(data_args, run_dir, f"trainer.total_steps={last + 2}", "trainer.resume=auto",
-                           "data.shuffle=false"))
-    assert code != 0 and "data.shuffle was True, now False" in out, out[-4000:]
+    assert _records(run_dir) == after  # (refused resume changes: test_run_dir_claim_and_resume_config_comparison)
 
 
 def _checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
