@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH_PIN := torch==2.13.0
 BIN := $(VENV)/bin
 NPROC ?= 2
-CONFIG ?= configs/grpo_tiny.yaml
+CONFIG ?= grpo_tiny
 
 .PHONY: setup test test-explore run bench
 
@@ -28,7 +28,7 @@ test-explore: setup
 		$(BIN)/python -m pytest -q -m property tests
 
 run: setup
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node=$(NPROC) scripts/train.py --config $(CONFIG) $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node=$(NPROC) -m rldispatch train --config $(CONFIG) $(ARGS)
 
 bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_balance.py --out runs/bench_balance.json
@@ -36,3 +36,5 @@ bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_store.py --out runs/bench_store.json
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_engine.py --out runs/bench_engine.json
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_algorithms.py --out runs/bench_algorithms.json
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_load.py --json runs/bench_load.json
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench_step_overhead.py --out runs/bench_step_overhead.json
