@@ -22,6 +22,9 @@ class EngineConfigError(ConfigError):
     """An engine section value that cannot be used; the message names the ``actor.*`` key to change."""
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass
 class OptimConfig:
     """AdamW (or SGD, for exact parity tests) with linear warm-up then a constant or cosine schedule."""
@@ -41,7 +44,9 @@ class OptimConfig:
         check_choices(self, "actor.optim", EngineConfigError)
         # each bound keeps the first update finite: eps=0 divides 0 by 0 for a parameter whose gradient is 0,
         # beta >= 1 never forgets (and its bias correction divides by zero), a negative decay grows the weights
-        checks = [("lr", self.lr, math.isfinite(self.lr) and self.lr >= 0, "a finite number >= 0"),
+        # the optimizer keeps lr as a float32 scalar: beyond float32's range it overflows inside torch
+        checks = [("lr", self.lr, math.isfinite(self.lr) and 0 <= self.lr <= _FLOAT32_MAX,
+                   f"a finite number in [0, {_FLOAT32_MAX:.4g}] (float32)"),
                   ("eps", self.eps, math.isfinite(self.eps) and self.eps > 0, "> 0 (1e-8 is usual)"),
                   ("weight_decay", self.weight_decay, math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                    "a finite number >= 0"),

@@ -286,7 +286,8 @@ def test_rolled_back_first_step_then_a_step_equals_a_fresh_optimizers_first_step
 @pytest.mark.parametrize("override, key", [
     ("actor.optim.eps=0", "actor.optim.eps"), ("actor.optim.weight_decay=-1", "actor.optim.weight_decay"),
     ("actor.optim.betas=[1.5,0.9]", "actor.optim.betas[0]"), ("actor.optim.betas=[0.9,1.0]", "actor.optim.betas[1]"),
-    ("actor.optim.lr=-0.1", "actor.optim.lr"), ("trainer.save_freq=-3", "trainer.save_freq"),
+    ("actor.optim.lr=-0.1", "actor.optim.lr"), ("actor.optim.lr=1e39", "actor.optim.lr"),
+    ("trainer.save_freq=-3", "trainer.save_freq"),
     ("trainer.val_freq=-1", "trainer.val_freq"), ("data.val_batch_size=0", "data.val_batch_size"),
     ("trainer.dist_timeout_s=0", "trainer.dist_timeout_s"), ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite"),
     ("trainer.run_dir_exists=append", "trainer.run_dir_exists"),
