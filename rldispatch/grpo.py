@@ -528,10 +528,16 @@ class GRPOTrainer:
     def _kl_metrics(self, mine: KVBatchMeta, inputs: TensorDict) -> dict[str, float]:
         """``kl/*`` over real samples: per-sample masked mean of the estimator, from this rank's written share."""
         kl_vals, pad = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
-        if len(mine) and self.engine.is_reporting_rank:  # it wrote the share; other ranks of the replica did not
-            td = self.store.read_local(mine.keys, TRAIN, ["old_log_probs", "ref_log_prob"])
+        wrote = len(mine) and self.engine.is_reporting_rank  # it wrote the share; other ranks of the replica did not
+        # recomputed old log-probs were written here too; in bypass mode they sit with the rollout (a collective)
+        bypass = None if self.cfg.rollout.log_prob_mode == "recompute" else \
+            self.store.fetch(mine.keys if wrote else [], TRAIN, ["old_log_probs"])
+        if wrote:
+            fields = ["ref_log_prob"] if bypass is not None else ["ref_log_prob", "old_log_probs"]
+            td = self.store.read_local(mine.keys, TRAIN, fields)
+            old_lp = (bypass if bypass is not None else td)["old_log_probs"]
             mask = jagged_to_padded(inputs["response_mask"]).float()
-            old, ref = jagged_to_padded(td["old_log_probs"]).float(), jagged_to_padded(td["ref_log_prob"]).float()
+            old, ref = jagged_to_padded(old_lp).float(), jagged_to_padded(td["ref_log_prob"]).float()
             per_token = kl_penalty(old, ref, self.cfg.algorithm.kl_penalty) * mask
             kl_vals = (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).double()
             pad = torch.tensor([bool(t.get("is_padding")) for t in mine.tags], dtype=torch.bool)
