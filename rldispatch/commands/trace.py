@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from protocol.store.keys import uid_of
+from protocol.store.keys import is_prompt_key, parse_trajectory_key, uid_of
 from rldispatch.trace import TraceError, read_trace
 
 COLUMNS = (
@@ -44,7 +44,7 @@ def _keys_cell(keys) -> str:
     if not keys:
         return "-"
     uids = sorted({uid_of(k) for k in keys})
-    suffixes = [k.partition("_")[2] or "(prompt)" for k in keys]
+    suffixes = ["(prompt)" if is_prompt_key(k) else "{1}_{2}".format(*parse_trajectory_key(k)) for k in keys]
     head = uids[0][:8] + ("+" + str(len(uids) - 1) if len(uids) > 1 else "")
     return f"{head}: " + ",".join(suffixes)
 
