@@ -168,20 +168,21 @@ def _rebalance(bins: list[list[int]], w: list[float], t: list[int], cap: int,
         if step is None:
             break
         o, a, b = step
-        bins[h].remove(a)
-        bins[o].append(a)
-        loads[h] -= w[a]
-        loads[o] += w[a]
-        used[h] -= t[a]
-        used[o] += t[a]
+        _move(a, h, o, bins, loads, used, w, t)
         if b is not None:
-            bins[o].remove(b)
-            bins[h].append(b)
-            loads[o] -= w[b]
-            loads[h] += w[b]
-            used[o] -= t[b]
-            used[h] += t[b]
+            _move(b, o, h, bins, loads, used, w, t)
     return bins
+
+
+def _move(i: int, src: int, dst: int, bins: list[list[int]], loads: list[float], used: list[int],
+          w: list[float], t: list[int]) -> None:
+    """Sample ``i`` from bin ``src`` to bin ``dst``, keeping the bins' workload and token sums current."""
+    bins[src].remove(i)
+    bins[dst].append(i)
+    loads[src] -= w[i]
+    loads[dst] += w[i]
+    used[src] -= t[i]
+    used[dst] += t[i]
 
 
 def min_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence[int] | np.ndarray,
