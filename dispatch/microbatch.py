@@ -23,6 +23,7 @@ Example::
 """
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Sequence
 
@@ -58,6 +59,8 @@ def pack_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence
     bins: list[list[int]] = [[] for _ in range(count)]
     # Heaviest first; ties by tokens then position, so the result is deterministic.
     order = np.lexsort((np.arange(m), -t, -w))
+    if token_cap is None:
+        return _pack_by_count(order.tolist(), w.tolist(), count, caps.tolist())
     for i in order.tolist():
         ok = sizes < caps
         if token_cap is not None:
@@ -74,6 +77,32 @@ def pack_micro_batches(workloads: Sequence[float] | np.ndarray, tokens: Sequence
         sizes[b] += 1
     if any(not b for b in bins):
         return _dense_pack(w, t, count, token_cap) if token_cap is not None and size_caps is None else None
+    return [sorted(b) for b in bins]
+
+
+def _pack_by_count(order: list[int], w: list[float], count: int, caps: list[int]) -> list[list[int]] | None:
+    """:func:`pack_micro_batches` without a token cap, in O(m log count): the same choices (empty bins first in
+    index order, then the lightest bin under its size cap, ties to the lower index) kept in a heap."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    heap: list[tuple[float, int]] = []
+    loads = [0.0] * count
+    empty = 0  # bins below ``empty`` are non-empty
+    for i in order:
+        if empty < count and caps[empty] > 0:
+            b = empty
+            empty += 1
+        elif empty < count:  # a bin whose size cap is 0 can never be filled
+            return None
+        elif heap:
+            b = heapq.heappop(heap)[1]
+        else:
+            return None
+        bins[b].append(i)
+        loads[b] += w[i]
+        if len(bins[b]) < caps[b]:
+            heapq.heappush(heap, (loads[b], b))
+    if empty < count:
+        return None
     return [sorted(b) for b in bins]
 
 

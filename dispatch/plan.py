@@ -232,6 +232,8 @@ def _int_field(tag: Mapping[str, Any], name: str, where: str, required: bool = T
                             f"response_len, is_padding")
         return None
     v = tag[name]
+    if type(v) is int and v >= 0:  # the common case, without the isinstance chain
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
         raise PlanError(f"tag of {where}: {name} must be a non-negative int, got {v!r}")
     return int(v)
@@ -246,7 +248,7 @@ def _read_tags(tags: Sequence[Mapping[str, Any]], keys: Sequence[str] | None, ne
     names: list[str] = []
     groups: list[str | None] = []
     for i, tag in enumerate(tags):
-        if not isinstance(tag, Mapping):
+        if type(tag) is not dict and not isinstance(tag, Mapping):
             raise PlanError(f"tags[{i}] must be a mapping, got {type(tag).__name__}")
         key = keys[i] if keys is not None else tag.get("key")
         where = repr(key) if key is not None else f"sample {i}"

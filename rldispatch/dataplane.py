@@ -17,7 +17,6 @@ from tensordict import TensorDict
 
 from protocol.batch.nested import to_nested
 from protocol.store import KVStore, StepStore
-from protocol.store.batching import jagged_rows
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 
@@ -29,12 +28,21 @@ class DataPlaneError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _rows(td: TensorDict, field: str, n: int) -> list[torch.Tensor]:
-    """Per-key values of one fetched field, cut once (never indexed per key: that unbinds a jagged field each time)."""
-    value = td.get(field)
-    rows = jagged_rows(value) if getattr(value, "is_nested", False) else list(value.unbind(0))
+def _pack(value: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """One field of many keys as one tensor and its per-key lengths (None: dense rows), so a transfer
+    serializes one tensor per field rather than one per key."""
+    if getattr(value, "is_nested", False):
+        if value._lengths is not None or not value.is_contiguous():
+            value = value.contiguous()
+        return value.values(), value.offsets().diff().tolist()
+    return value, None
+
+
+def _unpack(field: str, flat: torch.Tensor, lengths: list[int] | None, n: int) -> list[torch.Tensor]:
+    """The per-key values :func:`_pack` packed (views of ``flat``)."""
+    rows = list(flat.unbind(0)) if lengths is None else list(torch.split(flat, lengths, 0))
     if len(rows) != n:
-        raise DataPlaneError(f"field {field!r}: the local store returned {len(rows)} values for {n} keys")
+        raise DataPlaneError(f"field {field!r}: a peer sent {len(rows)} values for {n} keys")
     return rows
 
 
@@ -175,16 +183,13 @@ class ShardedStore(StepStore):
                         by_field[f].append(key)
             if not by_field:
                 continue
-            payload = {}
-            for f, ks in by_field.items():
-                td = self.local.kv_batch_get(ks, part, select_fields=[f])
-                payload[f] = dict(zip(ks, _rows(td, f, len(ks))))
-            outgoing[dst] = payload
+            outgoing[dst] = {f: (ks, *_pack(self.local.kv_batch_get(ks, part, select_fields=[f]).get(f)))
+                             for f, ks in by_field.items()}
         received = self._exchange(outgoing)
         values: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
         for payload in received:
-            for f, per_key in (payload or {}).items():
-                values[f].update(per_key)
+            for f, (ks, flat, lengths) in (payload or {}).items():
+                values[f].update(zip(ks, _unpack(f, flat, lengths, len(ks))))
         out = {f: _assemble([values[f][k] for k in keys]) for f in fields} if keys else {}
         return TensorDict(out, batch_size=[len(keys)])
 

@@ -34,8 +34,8 @@ from protocol.batch.nested import to_nested
 if TYPE_CHECKING:  # runtime import would be circular (agent_loop.group imports this module)
     from protocol.rollout.agent_loop.output import AgentLoopOutput
 
-__all__ = ["MULTI_MODAL_PREFIX", "PostprocessError", "TrajectoryBatch", "outputs_to_fields", "postprocess_group",
-           "write_trajectories"]
+__all__ = ["MULTI_MODAL_PREFIX", "PostprocessError", "TrajectoryBatch", "outputs_to_fields", "outputs_to_rows",
+           "postprocess_group", "write_trajectories"]
 
 
 #: Field-name prefix of the processor tensors of multimodal prompts (``multi_modal_inputs.pixel_values``, ...).
@@ -48,14 +48,22 @@ class PostprocessError(ValueError):
 
 @dataclass
 class TrajectoryBatch:
-    """What one ``kv_batch_put`` writes: ``keys``, their jagged ``fields`` (batch dim = len(keys)) and ``tags``."""
+    """What one ``kv_batch_put`` writes: ``keys``, their per-key field ``rows`` and ``tags``.
+
+    ``rows`` maps a jagged field to one tensor per key and a dense field to a ``[len(keys)]`` tensor: the store
+    keeps a value per key, so the put cuts nothing. ``fields`` is the same batch as a TensorDict of jagged tensors.
+    """
 
     keys: list[str]
-    fields: TensorDict | None
+    rows: dict[str, Any] | None
     tags: list[dict[str, Any]]
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    @property
+    def fields(self) -> TensorDict | None:
+        return None if self.rows is None else _as_tensordict(self.rows, len(self.keys))
 
 
 def _all_or_none(outputs: Sequence["AgentLoopOutput"], attr: str) -> bool:
@@ -67,8 +75,14 @@ def _all_or_none(outputs: Sequence["AgentLoopOutput"], attr: str) -> bool:
     return bool(have) and all(have)
 
 
-def outputs_to_fields(outputs: Sequence["AgentLoopOutput"]) -> TensorDict:
-    """The jagged trajectory fields of ``outputs`` (batch dim = len(outputs)); see the module table."""
+def _as_tensordict(rows: Mapping[str, Any], n: int) -> TensorDict:
+    return TensorDict({k: v if isinstance(v, torch.Tensor) else to_nested(v) for k, v in rows.items()},
+                      batch_size=[n])
+
+
+def outputs_to_rows(outputs: Sequence["AgentLoopOutput"]) -> dict[str, Any]:
+    """The trajectory fields of ``outputs`` (see the module table): a list of per-output tensors for each jagged
+    field, a ``[len(outputs)]`` tensor for ``reward_score``. No nested tensor is built: writing rows costs no cut."""
     outputs = list(outputs)
     if not outputs:
         raise PostprocessError("outputs_to_fields needs at least one AgentLoopOutput, got none")
@@ -76,18 +90,19 @@ def outputs_to_fields(outputs: Sequence["AgentLoopOutput"]) -> TensorDict:
     responses = [o.response_ids for o in outputs]
     masks = [o.response_mask for o in outputs]
     input_ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
-    fields: dict[str, Any] = {
-        "prompts": to_nested(prompts),
-        "responses": to_nested(responses),
-        "input_ids": to_nested(input_ids),
-        "position_ids": to_nested([torch.arange(x.numel(), dtype=torch.int64) for x in input_ids]),
-        "response_mask": to_nested(masks),
-        "loss_mask": to_nested([m.clone() for m in masks]),
+    positions = torch.arange(max(x.numel() for x in input_ids), dtype=torch.int64)
+    rows: dict[str, Any] = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": input_ids,
+        "position_ids": [positions[:x.numel()] for x in input_ids],
+        "response_mask": masks,
+        "loss_mask": list(masks),  # the store copies each value: loss_mask never shares memory with response_mask
     }
     if _all_or_none(outputs, "response_logprobs"):
-        fields["rollout_log_probs"] = to_nested([o.response_logprobs for o in outputs])
+        rows["rollout_log_probs"] = [o.response_logprobs for o in outputs]
     if _all_or_none(outputs, "reward_score"):
-        fields["reward_score"] = torch.tensor([o.reward_score for o in outputs], dtype=torch.float32)
+        rows["reward_score"] = torch.tensor([o.reward_score for o in outputs], dtype=torch.float32)
     if _all_or_none(outputs, "multi_modal_inputs"):
         names = sorted(outputs[0].multi_modal_inputs)
         for i, o in enumerate(outputs):
@@ -95,8 +110,16 @@ def outputs_to_fields(outputs: Sequence["AgentLoopOutput"]) -> TensorDict:
                 raise PostprocessError(f"multi_modal_inputs of output {i} has keys {sorted(o.multi_modal_inputs)}, "
                                        f"output 0 has {names}; they must match")
         for k in names:  # flat names: the store keeps one level of fields
-            fields[f"{MULTI_MODAL_PREFIX}{k}"] = to_nested([o.multi_modal_inputs[k] for o in outputs])
-    return TensorDict(fields, batch_size=[len(outputs)])
+            values = [o.multi_modal_inputs[k] for o in outputs]
+            to_nested(values)  # same dtype and trailing dims, checked here rather than at the first read
+            rows[f"{MULTI_MODAL_PREFIX}{k}"] = values
+    return rows
+
+
+def outputs_to_fields(outputs: Sequence["AgentLoopOutput"]) -> TensorDict:
+    """The jagged trajectory fields of ``outputs`` as a TensorDict (batch dim = len(outputs)); see the module table."""
+    outputs = list(outputs)
+    return _as_tensordict(outputs_to_rows(outputs), len(outputs))
 
 
 def _tag(o: "AgentLoopOutput", global_steps: int) -> dict[str, Any]:
@@ -127,7 +150,7 @@ def postprocess_group(uid: str, session_outputs: Mapping[int, Sequence["AgentLoo
             keys.append(trajectory_key(uid, session_id, index))
             tags.append(_tag(out, global_steps))
             flat.append(out)
-    return TrajectoryBatch(keys, outputs_to_fields(flat) if flat else None, tags)
+    return TrajectoryBatch(keys, outputs_to_rows(flat) if flat else None, tags)
 
 
 def write_trajectories(store: Any, partition_id: str, batch: TrajectoryBatch) -> Any:
@@ -136,4 +159,4 @@ def write_trajectories(store: Any, partition_id: str, batch: TrajectoryBatch) ->
         from protocol.store.meta import KVBatchMeta
 
         return KVBatchMeta(partition_id, [], [])
-    return store.kv_batch_put(batch.keys, partition_id, fields=batch.fields, tags=batch.tags)
+    return store.kv_batch_put(batch.keys, partition_id, fields=batch.rows, tags=batch.tags)

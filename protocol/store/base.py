@@ -29,7 +29,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
-from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict

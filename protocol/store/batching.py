@@ -12,7 +12,8 @@ Per-key values are stored as their own CPU tensors, so clearing one key frees it
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,10 +42,11 @@ def nbytes(t: torch.Tensor) -> int:
 
 def _own_copy(t: torch.Tensor) -> torch.Tensor:
     """A detached, contiguous CPU copy with its own storage (never a view into the caller's buffer)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        return t.to("cpu").contiguous()
-    return t.clone(memory_format=torch.contiguous_format)
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_cpu:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.to("cpu").contiguous()
 
 
 def jagged_rows(nt: torch.Tensor) -> list[torch.Tensor]:
@@ -184,10 +186,11 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _SCALARS = (str, int, float, bool, type(None))
+_SCALAR_TYPES = frozenset(_SCALARS)  # exact types: a set lookup instead of an isinstance chain per value
 
 
 def _json_value(value: Any, where: str) -> Any:
-    if isinstance(value, _SCALARS):
+    if type(value) in _SCALAR_TYPES or isinstance(value, _SCALARS):
         return value
     if isinstance(value, np.generic):
         return value.item()
@@ -207,11 +210,11 @@ def _json_value(value: Any, where: str) -> Any:
 
 def normalize_tag(tag: Any, key: str) -> dict:
     """A validated copy of one tag: str names, JSON-able values (numpy scalars become Python scalars)."""
-    if not isinstance(tag, Mapping):
+    if type(tag) is not dict and not isinstance(tag, Mapping):
         raise TypeError(f"tag of key {key!r} must be a dict, got {type(tag).__name__}")
     out = {}
     for name, value in tag.items():
-        if not isinstance(name, str):
+        if type(name) is not str and not isinstance(name, str):
             raise TypeError(f"tag of key {key!r}: names must be str, got {name!r}")
-        out[name] = _json_value(value, f"tag {name!r} of key {key!r}")
+        out[name] = value if type(value) in _SCALAR_TYPES else _json_value(value, f"tag {name!r} of key {key!r}")
     return out

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = ["KVBatchMeta", "MetaKeyError", "MetaIndexError"]
 
@@ -36,18 +37,23 @@ class MetaIndexError(ValueError, IndexError):
     """Positions asked of a KVBatchMeta that are out of range or repeated."""
 
 
-_ATOMS = (str, int, float, bool, type(None))
+_ATOMS = frozenset((str, int, float, bool, type(None)))
 
 
 def _copy_tag(value: Any) -> Any:
     """A deep copy of a tag value; JSON-shaped values (the store's tags) are copied without ``copy.deepcopy``'s
     memo bookkeeping, which costs more than the rest of a large batch's construction."""
-    if isinstance(value, _ATOMS):
+    kind = type(value)
+    if kind in _ATOMS:
         return value
-    if type(value) is dict:
-        return {k: v if isinstance(v, _ATOMS) else _copy_tag(v) for k, v in value.items()}
-    if type(value) is list:
-        return [v if isinstance(v, _ATOMS) else _copy_tag(v) for v in value]
+    if kind is dict:
+        out = value.copy()
+        for k, v in out.items():
+            if type(v) not in _ATOMS:
+                out[k] = _copy_tag(v)
+        return out
+    if kind is list:
+        return [v if type(v) in _ATOMS else _copy_tag(v) for v in value]
     return copy.deepcopy(value)
 
 

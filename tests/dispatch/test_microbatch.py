@@ -75,6 +75,32 @@ def test_fixed_micro_batch_size(batch, mbs):
     _check_cover(ranks, out)
 
 
+def _greedy_by_count(w, count, caps):
+    """The documented rule, one scan per sample: heaviest first (ties by position); an empty bin first, in
+    index order; else the lightest bin under its size cap, ties to the lower index."""
+    bins, loads = [[] for _ in range(count)], [0.0] * count
+    for i in sorted(range(len(w)), key=lambda j: (-w[j], j)):
+        open_ = [b for b in range(count) if len(bins[b]) < caps[b]]
+        if not open_:
+            return None
+        empty = [b for b in open_ if not bins[b]]
+        b = empty[0] if empty else min(open_, key=lambda x: (loads[x], x))
+        bins[b].append(i)
+        loads[b] += w[i]
+    return None if any(not b for b in bins) else [sorted(b) for b in bins]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.5, 3.0, 7.0]) | st.floats(0, 100), min_size=1, max_size=40),
+       st.data())
+def test_size_capped_packing_follows_the_greedy_rule(w, data):
+    """Without a token cap the heap-based packing makes exactly the choices of the per-sample scan."""
+    count = data.draw(st.integers(1, len(w)))
+    caps = data.draw(st.lists(st.integers(0, len(w)), min_size=count, max_size=count))
+    tokens = [1] * len(w)
+    assert pack_micro_batches(w, tokens, count, size_caps=caps) == _greedy_by_count(w, count, caps)
+
+
 def test_over_cap_sample_is_an_error_naming_the_key():
     seq = np.array([10, 500, 20, 30])
     with pytest.raises(MicroBatchError, match="sample 'u1_0_0' has seq_len 500 > the micro-batch token cap 100"):

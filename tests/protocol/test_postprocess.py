@@ -103,3 +103,28 @@ def test_write_trajectories_one_put_round_trip():
         assert torch.equal(got["response_mask"][i], o.response_mask)
     assert store.kv_list("train")["train"][batch.keys[1]]["seq_len"] == 6
     assert len(write_trajectories(store, "train", TrajectoryBatch([], None, []))) == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes=shapes)
+def test_rows_are_written_as_they_are_and_match_the_fields(shapes):
+    """The put hands the store one plain tensor per key and field (no jagged tensor to build and cut again); what
+    the store then returns equals the TensorDict view of the same batch, and no stored value shares memory with an
+    output or another field."""
+    outs = [_out(p, r, seed=i) for i, (p, r) in enumerate(shapes)]
+    batch = postprocess_group("u2", {0: outs}, 3)
+    for name, value in batch.rows.items():
+        if name == "reward_score":
+            assert not value.is_nested and value.shape == (len(outs),)
+        else:
+            assert len(value) == len(outs) and not any(v.is_nested for v in value), name
+    store = LocalStore()
+    write_trajectories(store, "train", batch)
+    got = store.kv_batch_get(batch.keys, "train", list(batch.rows), jagged=list(batch.rows)[:-1])
+    want = batch.fields
+    for name in batch.rows:
+        for a, b in zip(got[name].unbind(0), want[name].unbind(0)):
+            assert torch.equal(a, b), name
+    outs[0].response_mask.fill_(7)  # the store holds copies: editing an output or its loss_mask twin changes nothing
+    again = store.kv_batch_get(batch.keys[:1], "train", ["response_mask", "loss_mask"])
+    assert not (again["response_mask"] == 7).any() and not (again["loss_mask"] == 7).any()
