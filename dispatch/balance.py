@@ -216,16 +216,16 @@ def _differencing_arrays(w: np.ndarray, order: np.ndarray, k: int) -> list[list[
         heap.append((float(sums[-1] - sums[0]), -float(sums[0]), -1, -int(chunk[0]), c, sums, chunk, chunk[:, None]))
     heapq.heapify(heap)
     tick = len(heap)
-    pop, push = heapq.heappop, heapq.heappush
+    pop, replace = heapq.heappop, heapq.heapreplace  # b stays on top until replaced: one sift, not two
     while len(heap) > 1:
         a = pop(heap)
-        b = pop(heap)
+        b = heap[0]
         sums = a[5] + b[5][::-1]
         firsts = a[6]
         rank = np.lexsort((firsts, sums))[::-1]  # descending by (sum, first position)
         sums, firsts = sums[rank], firsts[rank]
         members = np.concatenate([a[7], b[7][::-1]], axis=1)[rank]
-        push(heap, (float(sums[-1] - sums[0]), -float(sums[0]), a[2] + b[2], -int(firsts[0]), tick, sums, firsts,
+        replace(heap, (float(sums[-1] - sums[0]), -float(sums[0]), a[2] + b[2], -int(firsts[0]), tick, sums, firsts,
                     members))
         tick += 1
     return heap[0][7].tolist()
@@ -244,19 +244,19 @@ def _differencing_two(wl: list[float], order: list[int], equal_size: bool) -> li
             v = wl[i]
             heap.append((-v, -v, -1, -i, v, 1, i, 0.0, 0, -1, i, None))
     heapq.heapify(heap)
-    pop, push = heapq.heappop, heapq.heappush
+    pop, replace = heapq.heappop, heapq.heapreplace  # b stays on top until replaced: one sift, not two
     while len(heap) > 1:
         a = pop(heap)
-        b = pop(heap)
+        b = heap[0]
         xs, xl, xf = a[4] + b[7], a[5] + b[8], a[6]  # a's top joins b's bottom
         xt = a[10] if b[11] is None else (a[10], b[11])
         ys, yl = a[7] + b[4], a[8] + b[5]  # a's bottom joins b's top
         yf = a[9] if a[8] else b[6]
         yt = b[10] if a[11] is None else (a[11], b[10])
         if (xs, xl, xf) > (ys, yl, yf):
-            push(heap, (ys - xs, -xs, -xl, -xf, xs, xl, xf, ys, yl, yf, xt, yt))
+            replace(heap, (ys - xs, -xs, -xl, -xf, xs, xl, xf, ys, yl, yf, xt, yt))
         else:
-            push(heap, (xs - ys, -ys, -yl, -yf, ys, yl, yf, xs, xl, xf, yt, xt))
+            replace(heap, (xs - ys, -ys, -yl, -yf, ys, yl, yf, xs, xl, xf, yt, xt))
     s = heap[0]
     return [_flatten(s[10]), _flatten(s[11])]
 
@@ -278,17 +278,17 @@ def _differencing_many(wl: list[float], order: list[int], k: int, equal_size: bo
     heapq.heapify(heap)
     tick = len(heap)
     rk = range(k)
-    pop, push = heapq.heappop, heapq.heappush
+    pop, replace = heapq.heappop, heapq.heapreplace  # b stays on top until replaced: one sift, not two
     while len(heap) > 1:
         a = pop(heap)
-        b = pop(heap)
+        b = heap[0]
         s0, l0, f0, m0 = a[5], a[6], a[7], a[8]
         s1, l1, f1, m1 = b[5][::-1], b[6][::-1], b[7][::-1], b[8][::-1]
         rows = sorted([(s0[i] + s1[i], l0[i] + l1[i], f0[i] if l0[i] else f1[i], i) for i in rk], reverse=True)
         sums = [r[0] for r in rows]
         mem = [m0[r[3]] + m1[r[3]] for r in rows]
         top = rows[0]
-        push(heap, (sums[-1] - sums[0], -top[0], -top[1], -top[2], tick, sums, [r[1] for r in rows],
+        replace(heap, (sums[-1] - sums[0], -top[0], -top[1], -top[2], tick, sums, [r[1] for r in rows],
                     [r[2] for r in rows], mem))
         tick += 1
     return heap[0][8]
@@ -452,53 +452,38 @@ def balance_partitions(workloads: Sequence[float] | np.ndarray, num_parts: int) 
         return [[] for _ in range(k)]
     if m == 1:
         return [[i] for i in range(w.size)]
-    best = [sorted(p) for p in _differencing(w, k, True)]
+    best = _differencing(w, k, True)
     if m > 2:  # with two items per part KK pairs the i-th heaviest with the i-th lightest, which is optimal
-        best = _improve(w, k, best)
-    return sorted(best, key=lambda p: p[0])
-
-
-def _improve(w: np.ndarray, k: int, best: list[list[int]]) -> list[list[int]]:
-    """A budgeted swap repair of the KK partition, kept only where it lowers the maximum."""
-    best_max = _max_load(w, best)
-    stop = _lower_bound(w, k) * (1 + _TOLERANCE)
-    if best_max <= stop:
-        return best
-    cand = _quick_repair(w, best, max(_MIN_SWAPS, int(_SWAPS_PER_PART * k)), stop)
-    return cand if _max_load(w, cand) < best_max else best
-
-
-def _max_load(w: np.ndarray, parts: list[list[int]]) -> float:
-    return float(w[np.asarray(parts, dtype=np.int64)].sum(axis=1).max())
+        swaps = max(_MIN_SWAPS, int(_SWAPS_PER_PART * k))
+        best = _quick_repair(w, best, swaps, _lower_bound(w, k) * (1 + _TOLERANCE))
+    return sorted((sorted(p) for p in best), key=lambda p: p[0])
 
 
 def _quick_repair(w: np.ndarray, parts: list[list[int]], swaps: int, stop: float) -> list[list[int]]:
     """At most ``swaps`` 1-for-1 exchanges between the heaviest and the lightest part, each the one whose weight
     difference is closest to half their gap (both then end below the old maximum). Plain lists: a two-pointer scan
-    of the two sorted parts costs O(items per part) per exchange."""
+    of the two sorted parts costs O(items per part) per exchange.
+
+    Returns ``parts`` itself unless the exchanges lowered the maximum load (part sums recomputed, not carried).
+    """
     wl = w.tolist()
     rows = [sorted(p, key=wl.__getitem__) for p in parts]
     vals = [[wl[i] for i in r] for r in rows]
     loads = [sum(v) for v in vals]
+    start = max(loads)
+    if start <= stop:
+        return parts
     m = len(rows[0])
-    eps = 1e-12 * max(max(loads), 1.0)
+    eps = 1e-12 * max(start, 1.0)
+    order = sorted((x, p) for p, x in enumerate(loads))  # (load, part) ascending: the two ends in O(1)
     for _ in range(swaps):
-        top = max(loads)
+        top = order[-1][0]
         if top <= stop:
             break
-        h, o = loads.index(top), loads.index(min(loads))
+        h, o = order[bisect.bisect_left(order, (top, -1))][1], order[0][1]  # lowest-numbered part among ties
         gap = loads[h] - loads[o]
-        half = gap / 2.0
         hv, ov = vals[h], vals[o]
-        best, best_score, b = None, math.inf, 0
-        for a, x in enumerate(hv):  # ascending x: the partner nearest x - half only moves right
-            target = x - half
-            while b + 1 < m and ov[b + 1] <= target:
-                b += 1
-            for c in (b, b + 1) if b + 1 < m else (b,):
-                d = x - ov[c]
-                if eps < d < gap - eps and abs(d - half) < best_score:
-                    best_score, best = abs(d - half), (a, c, d)
+        best = (_best_exchange_scan if m < _ARRAY_SCAN_ITEMS else _best_exchange_arrays)(hv, ov, gap, eps)
         if best is None:
             break
         a, c, d = best
@@ -510,11 +495,48 @@ def _quick_repair(w: np.ndarray, parts: list[list[int]], swaps: int, stop: float
         j = bisect.bisect(ov, xv)
         ov.insert(j, xv)
         rows[o].insert(j, xi)
-        loads[h] -= d
-        loads[o] += d
-    return [sorted(r) for r in rows]
+        for p, delta in ((h, -d), (o, d)):
+            del order[bisect.bisect_left(order, (loads[p], p))]
+            loads[p] += delta
+            bisect.insort(order, (loads[p], p))
+    return rows if max(sum(v) for v in vals) < start else parts
 
 
+def _best_exchange_scan(hv: list[float], ov: list[float], gap: float, eps: float) -> tuple[int, int, float] | None:
+    """``(a, c, d)``: the exchange of ``hv[a]`` for ``ov[c]`` (both ascending) whose difference ``d`` is nearest
+    ``gap / 2`` with ``eps < d < gap - eps``; the first such in (a, c) order. None when there is none."""
+    half, last, hi = gap / 2.0, len(ov) - 1, gap - eps
+    best, best_score, b = None, math.inf, 0
+    for a, x in enumerate(hv):  # ascending x: the partner nearest x - half only moves right
+        target = x - half
+        while b < last and ov[b + 1] <= target:
+            b += 1
+        d = x - ov[b]
+        if eps < d < hi and abs(d - half) < best_score:
+            best_score, best = abs(d - half), (a, b, d)
+        if b < last:
+            d = x - ov[b + 1]
+            if eps < d < hi and abs(d - half) < best_score:
+                best_score, best = abs(d - half), (a, b + 1, d)
+    return best
+
+
+def _best_exchange_arrays(hv: list[float], ov: list[float], gap: float, eps: float
+                          ) -> tuple[int, int, float] | None:
+    """:func:`_best_exchange_scan` with numpy (the same candidates, scores and first-minimum choice)."""
+    half, m = gap / 2.0, len(ov)
+    x, y = np.array(hv), np.array(ov)
+    b = np.maximum(np.searchsorted(y, x - half, side="right") - 1, 0)
+    cand = np.stack([b, np.minimum(b + 1, m - 1)], axis=1)  # b + 1 past the end repeats b: same score, b first
+    d = x[:, None] - y[cand]
+    score = np.where((d > eps) & (d < gap - eps), np.abs(d - half), np.inf)
+    flat = int(np.argmin(score))
+    if not score.flat[flat] < math.inf:
+        return None
+    return flat // 2, int(cand.flat[flat]), float(d.flat[flat])
+
+
+_ARRAY_SCAN_ITEMS = 192  # items per part from which the numpy exchange search beats the Python scan
 _TOLERANCE = 1e-4  # relative gap to lower_bound at which the search stops
 _SWAPS_PER_PART = 1  # repair budget (exchanges per part): O(n) work in all, within KK's own cost
 _MIN_SWAPS = 8

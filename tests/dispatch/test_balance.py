@@ -244,3 +244,15 @@ def test_refine_of_two_parts_of_at_most_eight_is_optimal(w):
     from dispatch.balance import _half_masks
 
     assert _half_masks(3).shape == (10, 6) and (_half_masks(3).sum(axis=1) == 3).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.lists(st.integers(0, 50), min_size=1, max_size=12),
+       st.integers(0, 120))
+def test_exchange_search_is_the_same_with_lists_and_arrays(hv, ov, gap):
+    """The Python scan (small parts) and the numpy search (large parts) pick the same exchange, ties included."""
+    from dispatch.balance import _best_exchange_arrays, _best_exchange_scan
+
+    m = min(len(hv), len(ov))
+    hv, ov = sorted(float(x) for x in hv[:m]), sorted(float(x) for x in ov[:m])
+    assert _best_exchange_scan(hv, ov, float(gap), 1e-9) == _best_exchange_arrays(hv, ov, float(gap), 1e-9)
