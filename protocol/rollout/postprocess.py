@@ -85,7 +85,7 @@ def outputs_to_rows(outputs: Sequence["AgentLoopOutput"]) -> dict[str, Any]:
     field, a ``[len(outputs)]`` tensor for ``reward_score``. No nested tensor is built: writing rows costs no cut."""
     outputs = list(outputs)
     if not outputs:
-        raise PostprocessError("outputs_to_fields needs at least one AgentLoopOutput, got none")
+        raise PostprocessError("post-processing needs at least one AgentLoopOutput, got none")
     prompts = [o.prompt_ids for o in outputs]
     responses = [o.response_ids for o in outputs]
     masks = [o.response_mask for o in outputs]
