@@ -24,7 +24,8 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -239,6 +240,32 @@ def _int_field(tag: Mapping[str, Any], name: str, where: str, required: bool = T
     return int(v)
 
 
+@dataclass(frozen=True)
+class PlanTags:
+    """What planning reads from the trajectory tags, validated once (several plans of one step share it)."""
+
+    seq: np.ndarray  # int64 seq_len per sample
+    pad: np.ndarray  # bool is_padding per sample
+    names: list[str]  # the key of each sample (or '#i'), for errors
+    groups: list[str | None]  # the uid of each real sample, when it can be told
+    need_groups: bool
+
+
+def read_plan_tags(tags: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None, *,
+                   need_groups: bool = True) -> PlanTags:
+    """Validate and read the tags :func:`build_plan` plans from (``need_groups``: every real sample's group must
+    be known, as ``group_partition`` needs)."""
+    seq, pad, names, groups = _read_tags(list(tags), keys, need_groups)
+    return PlanTags(seq, pad, names, groups, need_groups)
+
+
+def _sums(values: np.ndarray, parts: Sequence[Sequence[int]]) -> np.ndarray:
+    """``[values[p].sum() for p in parts]`` (float64; an empty part sums to 0) in one pass instead of one per part."""
+    flat = np.fromiter((i for p in parts for i in p), dtype=np.int64)
+    part_of = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    return np.bincount(part_of, weights=values[flat].astype(np.float64), minlength=len(parts))
+
+
 def _read_tags(tags: Sequence[Mapping[str, Any]], keys: Sequence[str] | None, need_groups: bool):
     if keys is not None and len(keys) != len(tags):
         raise PlanError(f"build_plan got {len(keys)} keys for {len(tags)} tags; pass one key per tag")
@@ -299,13 +326,14 @@ def _units(pad: np.ndarray, groups: list[str | None], settings: BatchSettings) -
     return list(by_uid.values()) + [pads[j:j + g] for j in range(0, len(pads), g)]
 
 
-def build_plan(tags: Sequence[Mapping[str, Any]], topology: Topology, settings: BatchSettings | None = None, *,
-               keys: Sequence[str] | None = None) -> DispatchPlan:
+def build_plan(tags: Sequence[Mapping[str, Any]] | PlanTags, topology: Topology,
+               settings: BatchSettings | None = None, *, keys: Sequence[str] | None = None) -> DispatchPlan:
     """Plan one step: per DP rank, mini-batches (epoch by epoch) and their micro-batches.
 
     ``tags`` are trajectory tags (``seq_len`` required; ``prompt_len``/``response_len`` checked when present;
     ``is_padding``; ``uid`` or a key for ``group_partition``). ``keys`` (optional, one per tag) name samples in
-    errors and give groups. The batch must already be padded to ``settings.padding_multiple(topology)``.
+    errors and give groups; tags already read by :func:`read_plan_tags` are taken as they are (``keys`` unused).
+    The batch must already be padded to ``settings.padding_multiple(topology)``.
     """
     settings = settings or BatchSettings()
     if not isinstance(topology, Topology):
@@ -313,7 +341,11 @@ def build_plan(tags: Sequence[Mapping[str, Any]], topology: Topology, settings: 
     if not isinstance(settings, BatchSettings):
         raise TypeError(f"settings must be a dispatch.BatchSettings, got {type(settings).__name__}")
     settings.check(topology)
-    seq, pad, names, groups = _read_tags(list(tags), keys, settings.group_partition)
+    if not isinstance(tags, PlanTags):
+        tags = read_plan_tags(tags, keys, need_groups=settings.group_partition)
+    elif settings.group_partition and not tags.need_groups:
+        raise PlanError("group_partition needs tags read with need_groups=True (read_plan_tags)")
+    seq, pad, names, groups = tags.seq, tags.pad, tags.names, tags.groups
     n = seq.size
     dp = topology.dp_size
     multiple = settings.padding_multiple(topology)
@@ -325,7 +357,7 @@ def build_plan(tags: Sequence[Mapping[str, Any]], topology: Topology, settings: 
                         f"{-n % multiple} padding samples (dispatch.make_padding) first")
     work = settings.workload(seq)
     units = _units(pad, groups, settings)
-    unit_w = np.array([work[u].sum() for u in units])
+    unit_w = _sums(work, units)
     per_mini = len(units) if settings.mini_batch_samples is None else (
         settings.ppo_mini_batch_size if settings.group_partition else settings.mini_batch_samples)
     token_cap = settings.token_cap(topology)
@@ -368,8 +400,9 @@ def build_plan(tags: Sequence[Mapping[str, Any]], topology: Topology, settings: 
                 for mb in mbs:
                     positions.append(list(range(pos, pos + len(mb))))
                     pos += len(mb)
-                    max_micro_tokens = max(max_micro_tokens, int(seq[mb].sum()))
-                micro_bal.append(imbalance([float(work[mb].sum()) for mb in mbs]))
+                if mbs:
+                    max_micro_tokens = max(max_micro_tokens, int(_sums(seq, mbs).max()))
+                micro_bal.append(imbalance(_sums(work, mbs).tolist() if mbs else []))
                 rank_minis[d].append(MiniBatchPlan(
                     epoch=epoch, index=index, indices=indices, micro_batches=positions,
                     tokens=int(seq[indices].sum()), workload=float(work[indices].sum()),

@@ -26,7 +26,8 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["ConfigError", "build_dataclass", "to_plain", "literal_choices", "check_choices"]
 

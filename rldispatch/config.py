@@ -127,6 +127,7 @@ class TrainerSection:
     save_on_signal: bool = True  # SIGTERM/SIGINT: checkpoint at the next step boundary, then exit 143 / 130
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a non-finite update: roll back to the pre-step weights | stop
     run_dir_exists: Literal["refuse", "overwrite"] = "refuse"  # a run dir holding another run's metrics/checkpoints
+    gc_interval: int = 1  # steps between garbage collections, automatic GC off meanwhile; 0 = Python's automatic GC
 
 
 @dataclass
@@ -204,6 +205,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key in ["trainer.save_freq", "trainer.val_freq"]:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0 (0 = only at the end), got {_get(cfg, key)}")
+    if cfg.trainer.gc_interval < 0:
+        raise ConfigError(f"trainer.gc_interval must be >= 0 steps (0 = Python's automatic garbage collection), "
+                          f"got {cfg.trainer.gc_interval}")
     if cfg.trainer.tensorboard:
         import importlib.util
 

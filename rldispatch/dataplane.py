@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from protocol.batch.nested import to_nested
 from protocol.store import KVStore, StepStore
+from protocol.store.columns import Column, gather_field
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 
@@ -28,29 +28,22 @@ class DataPlaneError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _pack(value: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
-    """One field of many keys as one tensor and its per-key lengths (None: dense rows), so a transfer
-    serializes one tensor per field rather than one per key."""
+def _pack(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One field of many keys as one tensor and its row offsets (None: dense rows), so a transfer serializes
+    tensors only — one or two per field, whatever the number of keys."""
     if getattr(value, "is_nested", False):
         if value._lengths is not None or not value.is_contiguous():
             value = value.contiguous()
-        return value.values(), value.offsets().diff().tolist()
+        return value.values(), value.offsets()
     return value, None
 
 
-def _unpack(field: str, flat: torch.Tensor, lengths: list[int] | None, n: int) -> list[torch.Tensor]:
-    """The per-key values :func:`_pack` packed (views of ``flat``)."""
-    rows = list(flat.unbind(0)) if lengths is None else list(torch.split(flat, lengths, 0))
-    if len(rows) != n:
-        raise DataPlaneError(f"field {field!r}: a peer sent {len(rows)} values for {n} keys")
-    return rows
-
-
-def _assemble(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Per-key tensors -> one batch field: 0-d per key stacks dense, anything with a length stays jagged."""
-    if rows and rows[0].dim() == 0:
-        return torch.stack(rows)
-    return to_nested(rows)
+def _unpack(field: str, keys: list[str], flat: torch.Tensor, offsets: torch.Tensor | None) -> Column:
+    """What :func:`_pack` packed for ``keys`` (in the order the sender read them), as a column of their rows."""
+    rows = flat.shape[0] if offsets is None else offsets.numel() - 1
+    if rows != len(keys):
+        raise DataPlaneError(f"field {field!r}: a peer sent {rows} values for {len(keys)} keys")
+    return Column(flat, None if offsets is None else offsets.tolist(), keys)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -176,22 +169,40 @@ class ShardedStore(StepStore):
             requests = [mine]
         outgoing: list[dict | None] = [None] * self.world
         for dst, (part, want, names) in enumerate(requests):
-            by_field = defaultdict(list)
-            for key in want:
-                for f in names:
-                    if self._where[(part, key)][f] == self.rank:
-                        by_field[f].append(key)
-            if not by_field:
-                continue
-            outgoing[dst] = {f: (ks, *_pack(self.local.kv_batch_get(ks, part, select_fields=[f]).get(f)))
-                             for f, ks in by_field.items()}
+            by_field = self._holders(part, want, names).get(self.rank)
+            if by_field:
+                outgoing[dst] = {f: _pack(self.local.kv_batch_get(ks, part, select_fields=[f]).get(f))
+                                 for f, ks in by_field.items()}
         received = self._exchange(outgoing)
-        values: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-        for payload in received:
-            for f, (ks, flat, lengths) in (payload or {}).items():
-                values[f].update(zip(ks, _unpack(f, flat, lengths, len(ks))))
-        out = {f: _assemble([values[f][k] for k in keys]) for f in fields} if keys else {}
+        if not keys:
+            return TensorDict({}, batch_size=[0])
+        # the sender's key order is known here (replicated locations), so only tensors travelled
+        refs: dict[str, list] = {f: [] for f in fields}
+        jagged = dict.fromkeys(fields, False)
+        for src, held in sorted(self._holders(partition_id, keys, fields).items()):
+            payload = received[src]
+            for f, ks in held.items():
+                if payload is None or f not in payload:
+                    raise DataPlaneError(f"rank {src} sent nothing for field {f!r} of {len(ks)} key(s) it holds")
+                flat, offsets = payload[f]
+                jagged[f] |= offsets is not None or flat.dim() > 1  # anything with a length comes back jagged
+                col = _unpack(f, ks, flat, offsets)
+                refs[f].extend(zip(ks, ((col, i) for i in range(len(ks)))))
+        out = {}
+        for f in fields:
+            row_of = dict(refs[f])
+            out[f] = gather_field(f, [row_of[k] for k in keys], jagged[f])
         return TensorDict(out, batch_size=[len(keys)])
+
+    def _holders(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]
+                 ) -> dict[int, dict[str, list[str]]]:
+        """Rank -> field -> those of ``keys`` whose value of the field that rank holds, in the order of ``keys``."""
+        out: dict[int, dict[str, list[str]]] = {}
+        for key in keys:
+            loc = self._where[(partition_id, key)]
+            for f in fields:
+                out.setdefault(loc[f], {}).setdefault(f, []).append(key)
+        return out
 
     # ---- internals --------------------------------------------------------------------------------------
     def _apply(self, src: int, update: tuple[str, list[str], list[dict] | None, list[str]]) -> None:

@@ -54,6 +54,7 @@ from rldispatch.run_dir import (RUN_RECORD, check_resume_config, checkpoint_cand
                                 write_run_record)
 from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
+from rldispatch.gc_policy import StepGC
 from rldispatch.metrics import (
     MetricsLogger, Timer, check_same_everywhere, distributed_masked_stats, global_sums, per_rank_values, sample_lengths,
 )
@@ -255,6 +256,7 @@ class GRPOTrainer:
         self.metrics = MetricsLogger(self.run_dir, ctx.is_main, tensorboard=cfg.trainer.tensorboard)
         trace_path = cfg.trace.path or str(self.run_dir / f"trace.rank{ctx.rank}.jsonl")
         self.trace = TraceRecorder(trace_path, enabled=cfg.trace.enabled, rank=ctx.rank)
+        self.gc = StepGC(cfg.trainer.gc_interval)
         self.step = 0
         self._maybe_resume()
         self.rollout.load_weights(self.engine.get_weights())
@@ -427,6 +429,7 @@ class GRPOTrainer:
         batch = self._stage("update", st, self._update_actor, batch)         # 8. ppo_epochs x mini-batches
         self._stage("clear", st, self._clear, batch)                         # 9. kv_clear of the whole step
         self._stage("weight_sync", st, self._sync_weights, batch)            # 10. new weights to the rollout
+        self._stage("gc", st, self._collect_garbage, batch)                  # 11. cyclic garbage (gc_interval)
         return self._finish(st, time.perf_counter() - t_step)
 
     def _stage(self, name: str, st: "StepState", fn, batch: KVBatchMeta | None) -> KVBatchMeta | None:
@@ -563,6 +566,9 @@ class GRPOTrainer:
         self.store.kv_clear(st.uids, TRAIN)  # prompt keys of groups the replay buffer dropped earlier
         st.metrics["store/keys_after_clear"] = global_sums([float(self.store.num_keys())], device=self.ctx.device)[0]
 
+    def _collect_garbage(self, _: KVBatchMeta | None, st: "StepState") -> None:
+        self.gc.step_done(st.step)
+
     def _sync_weights(self, _: KVBatchMeta | None, st: "StepState") -> None:
         self.rollout.load_weights(self.engine.get_weights())
 
@@ -694,6 +700,14 @@ class GRPOTrainer:
             (self.run_dir / "config.json").write_text(json.dumps(to_plain(cfg), indent=2))
         with self._where("validate", self.step):
             pending_val = self.validate() if self.step == 0 else {}
+        self.gc.start()
+        try:
+            return self._loop(pending_val, bar)
+        finally:
+            self.gc.stop()
+
+    def _loop(self, pending_val: dict[str, float], bar: Any) -> int:
+        cfg = self.cfg
         while self.step < cfg.trainer.total_steps:
             metrics = {**pending_val, **self.train_step()}
             pending_val = {}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from tensordict import TensorDict
 
 from dispatch import BatchSettings, DispatchPlan, INT_FIELDS, Topology, WorkloadModel, build_plan, make_padding, \
-    padding_count
+    padding_count, read_plan_tags
 from protocol.store.meta import KVBatchMeta
 from rldispatch.config import RunConfig
 
@@ -101,7 +101,8 @@ def make_step_plan(meta: KVBatchMeta, topology: Topology, cfg: RunConfig, step: 
     pad = make_padding(count, global_steps=step, fields=list(INT_FIELDS), seed=cfg.trainer.seed * 1_000_003 + step)
     keys = list(meta.keys) + pad.keys
     tags = [dict(t) for t in meta.tags] + [dict(t) for t in pad.tags]
-    train = build_plan(tags, topology, train_settings, keys=keys)
-    infer = build_plan(tags, topology, batch_settings(cfg, topology, step, inference=True), keys=keys)
+    read = read_plan_tags(tags, keys, need_groups=train_settings.group_partition)  # once for both plans
+    train = build_plan(read, topology, train_settings)
+    infer = build_plan(read, topology, batch_settings(cfg, topology, step, inference=True))
     return StepPlan(keys=keys, padding_keys=pad.keys, padding_tags=pad.tags,
                     padding_fields=pad.data if count else None, train=train, infer=infer)

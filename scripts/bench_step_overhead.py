@@ -4,7 +4,9 @@ The trainer's own stage methods run on a :class:`rldispatch.grpo.GRPOTrainer` bu
 generation is a synthetic token sampler (instant), reference log-probs are written synthetically, and everything
 else is the real code path — agent-loop post-processing and store puts, replay sampling, padding and planning, the
 dispatch fetch of each rank's share, reward scoring with the built-in scorers, bypass old log-probs, KL metrics,
-advantage, metrics and clear. A linear step costs the same milliseconds per 1k trajectories at every size::
+advantage, metrics, clear and the step-boundary garbage collection (``trainer.gc_interval``; ``--gc-interval 0``
+times the same step with Python's automatic collector instead). A linear step costs the same milliseconds per 1k
+trajectories at every size::
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step_overhead.py --out /tmp/overhead.json
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step_overhead.py --sizes 512,2048 --worlds 1
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -39,27 +42,38 @@ if str(ROOT) not in sys.path:
 
 #: the non-model stages timed, in step order ("rollout_put" is the rollout minus generation)
 STAGES = ("rollout_put", "sample", "plan", "reward", "dispatch", "old_log_prob", "kl", "advantage", "metrics",
-          "clear")
+          "clear", "gc")
 ROLLOUT_N = 8
 
 
 class SyntheticRollout:
-    """Stands in for the rollout engine: instant, deterministic random responses with log-probs (no model)."""
+    """Stands in for the rollout engine: instant, deterministic random responses with log-probs (no model).
+
+    Each reseed draws the step's tokens in bulk, so a call costs two list slices: the generation is the model's
+    time, not the step overhead this script measures.
+    """
+
+    POOL = 1 << 16
 
     def __init__(self, vocab: int, max_tokens: int, stop_ids: set[int]):
         self.vocab, self.max_tokens, self.stop_token_ids = vocab, max_tokens, stop_ids
-        self.rng = random.Random(0)
+        self.reseed(0)
 
     def reseed(self, seed: int, rank: int = 0) -> None:
-        self.rng = random.Random(seed * 31 + rank)
+        rng = np.random.default_rng([seed, rank])
+        self._lengths = rng.integers(1, self.max_tokens + 1, size=self.POOL).tolist()
+        self._ids = rng.integers(4, self.vocab, size=self.POOL + self.max_tokens).tolist()
+        self._logprobs = (-rng.random(self.POOL + self.max_tokens)).tolist()
+        self._next = 0
 
     async def agenerate(self, prompt_ids, sampling_params=None):
-        n = self.rng.randint(1, self.max_tokens)
-        ids = [self.rng.randrange(4, self.vocab) for _ in range(n)]
-        return ids, [-self.rng.random() for _ in ids]
+        i = self._next
+        self._next = (i + 1) % self.POOL
+        n, start = self._lengths[i], i
+        return self._ids[start:start + n], self._logprobs[start:start + n]
 
 
-def build_trainer(size: int, rank: int, world: int, work: Path):
+def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int = 1):
     """A GRPOTrainer of the shipped tiny config for ``size`` trajectories, with every component but the engines."""
     from dispatch import Topology
     from protocol.algos.kl import FixedKLController
@@ -73,6 +87,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path):
     from rldispatch.bridge import StoreBridge
     from rldispatch.config import load_config
     from rldispatch.dataplane import ShardedStore
+    from rldispatch.gc_policy import StepGC
     from rldispatch.grpo import DistContext, GRPOTrainer
     from rldispatch.metrics import MetricsLogger
     from rldispatch.trace import TraceRecorder
@@ -82,7 +97,8 @@ def build_trainer(size: int, rank: int, world: int, work: Path):
     cfg = load_config("grpo_tiny", [
         f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={max(prompts // 4, 1)}",
         f"data.train_files=[{data}/train.parquet]", f"data.val_files=[{data}/val.parquet]",
-        "rollout.log_prob_mode=bypass", "algorithm.use_kl_in_reward=true", f"trainer.run_dir={work}/run"])
+        "rollout.log_prob_mode=bypass", "algorithm.use_kl_in_reward=true", f"trainer.run_dir={work}/run",
+        f"trainer.gc_interval={gc_interval}"])
     if rank == 0 and not (data / "train.parquet").exists():
         write_task_data(str(data), cfg.data.task, train=prompts, val=8, seed=0)
     if world > 1:
@@ -109,6 +125,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path):
     t.metrics = MetricsLogger(t.run_dir, rank == 0, tensorboard=False)
     t.trace = TraceRecorder(str(work / f"trace{rank}.jsonl"), enabled=False, rank=rank)
     t.engine = SimpleNamespace(is_reporting_rank=t.reporting)  # _kl_metrics asks whether this rank wrote its share
+    t.gc = StepGC(cfg.trainer.gc_interval)  # started by the caller, as fit() does
     t.step = 0
     return t
 
@@ -163,10 +180,12 @@ def one_step(t, step: int, on_stage=None) -> dict[str, float]:
 
     timed("metrics", metrics)
     timed("clear", t._clear, full, st)
+    timed("gc", t._collect_garbage, None, st)
     return times
 
 
-def worker(rank: int, world: int, sizes: list[int], steps: int, port: int, work: str, out: str) -> None:
+def worker(rank: int, world: int, sizes: list[int], steps: int, port: int, work: str, out: str,
+           gc_interval: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -174,8 +193,10 @@ def worker(rank: int, world: int, sizes: list[int], steps: int, port: int, work:
     results = {}
     try:
         for size in sizes:
-            t = build_trainer(size, rank, world, Path(work) / f"n{size}")
+            t = build_trainer(size, rank, world, Path(work) / f"n{size}", gc_interval)
+            t.gc.start()
             runs = [one_step(t, s) for s in range(steps)]
+            t.gc.stop()
             measured = runs[1:] or runs  # the first step warms caches up
             local = {k: statistics.median(r[k] for r in measured) for k in STAGES}
             gathered: list = [None] * world
@@ -211,18 +232,20 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="512,2048,8192,32768", help="trajectories per step, comma-separated")
     p.add_argument("--worlds", default="1,2", help="gloo world sizes to run, comma-separated")
     p.add_argument("--steps", type=int, default=2, help="steps per size; the first is a warm-up when >1")
+    p.add_argument("--gc-interval", type=int, default=1, help="trainer.gc_interval (0: Python's automatic GC)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     bad = [s for s in sizes if s % (ROLLOUT_N * 4) or s < ROLLOUT_N * 4]
     if bad:
         raise ValueError(f"--sizes: {bad} are not multiples of {ROLLOUT_N * 4} (rollout.n=8 x 4 mini-batches)")
-    report = {"sizes": sizes, "stages": list(STAGES), "worlds": {}}
+    report = {"sizes": sizes, "stages": list(STAGES), "gc_interval": a.gc_interval, "worlds": {}}
     with tempfile.TemporaryDirectory() as work:
         for world in [int(w) for w in a.worlds.split(",")]:
             res_path = Path(work) / f"res{world}.json"
             port = 29000 + random.Random(os.getpid() + world).randrange(2000)
-            mp.start_processes(worker, args=(world, sizes, a.steps, port, work, str(res_path)), nprocs=world,
+            mp.start_processes(worker, args=(world, sizes, a.steps, port, work, str(res_path), a.gc_interval),
+                               nprocs=world,
                                join=True, start_method="spawn")
             results = {int(k): v for k, v in json.loads(res_path.read_text()).items()}
             text, growth = table(results, world)

@@ -146,8 +146,8 @@ def _units(scores: Tensor, real: Tensor, index: Any, session_index: Any, is_fina
     """
     n = scores.shape[0]
     uids = _as_list("index", index, n)
-    real_rows = [i for i in range(n) if bool(real[i])]
-    row_unit = torch.full((n,), -1, dtype=torch.long)
+    real_rows = [i for i, r in enumerate(real.tolist()) if r]  # one conversion, not a tensor index per row
+    row_unit = [-1] * n
     if session_index is None:
         if is_final_output is not None:
             raise ValueError("is_final_output is given without session_index; pass both or neither")
@@ -188,7 +188,7 @@ def _units(scores: Tensor, real: Tensor, index: Any, session_index: Any, is_fina
     unit_group = torch.tensor([group_ids.setdefault(u, len(group_ids)) for u in unit_uids], dtype=torch.long)
     rows_t = torch.tensor(unit_rows, dtype=torch.long)
     unit_scores = scores.detach().cpu()[rows_t] if len(unit_rows) else scores.new_zeros(0).cpu()
-    return unit_scores, unit_group, row_unit, len(group_ids)
+    return unit_scores, unit_group, torch.tensor(row_unit, dtype=torch.long), len(group_ids)
 
 
 def _group_stats(x: Tensor, group: Tensor, n_groups: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -194,6 +195,8 @@ def _ids(name: str, values: Sequence[int] | Tensor) -> list[int]:
     if isinstance(values, Tensor):
         if values.dim() != 1:
             raise RewardError(f"{name} must be 1-D (one trajectory, no padding), got shape {tuple(values.shape)}")
+        if not (values.dtype.is_floating_point or values.dtype.is_complex):
+            return values.tolist()  # already Python ints
         return [int(x) for x in values.tolist()]
     return [int(x) for x in values]
 

@@ -27,7 +27,8 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch

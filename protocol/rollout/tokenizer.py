@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from protocol.config import ConfigError
 

@@ -19,8 +19,10 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "KeyFormatError",
@@ -122,6 +124,11 @@ def parse_trajectory_key(key: str) -> tuple[str, int, int]:
     """Split ``{uid}_{session_id}_{index}`` into ``(uid, session_id, index)``; exact inverse of :func:`trajectory_key`."""
     if not isinstance(key, str):
         raise KeyFormatError(f"trajectory key must be a str, got {type(key).__name__} {key!r}")
+    return _parse(key)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a step parses each of its keys in several stages; a hit is one dict lookup
+def _parse(key: str) -> tuple[str, int, int]:
     parts = key.split("_")
     if len(parts) != 3:
         raise KeyFormatError(

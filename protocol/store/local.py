@@ -1,7 +1,9 @@
 """LocalStore: the embedded, in-process KV store (the default); thread- and asyncio-safe.
 
-Each key owns its tag dict and its own CPU tensors (copied on put, copied again on get), so a caller
-editing a tensor never edits the store and ``kv_clear`` frees exactly what the key held.
+Values are copied on put and copied again on get, so a caller editing a tensor never edits the store. Each field
+of a put is copied once into a column (:mod:`protocol.store.columns`) and every key refers to its row; a column
+is freed when its last row is cleared or overwritten, and compacted once half of its bytes are unused, so the
+store never holds more than twice the bytes its live keys need (``stats()["bytes"]`` / ``["held_bytes"]``).
 
 Example::
 
@@ -36,7 +38,8 @@ from .base import (
     check_tags,
     missing_error,
 )
-from .batching import assemble_batch, nbytes, per_key_fields, same_value
+from .batching import same_value
+from .columns import Column, columns_of_put, gather_field
 from .errors import FieldOverwriteError, LateWriteError, StoreClosedError, preview
 
 __all__ = ["LocalStore"]
@@ -44,11 +47,10 @@ __all__ = ["LocalStore"]
 
 @dataclass
 class _Entry:
-    """What one key holds."""
+    """What one key holds: its tag and, per field, its row of a column."""
 
     tag: dict = field(default_factory=dict)
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)
-    nbytes: int = 0
+    fields: dict[str, tuple[Column, int]] = field(default_factory=dict)
 
 
 class LocalStore(KVStore):
@@ -58,7 +60,8 @@ class LocalStore(KVStore):
         self._lock = threading.RLock()
         self._parts: dict[str, dict[str, _Entry]] = {}
         self._marks = ClearedMarks(max_cleared_marks)
-        self._bytes = 0
+        self._bytes = 0  # bytes of the rows live keys refer to
+        self._held = 0  # bytes of the column buffers held
         self._late_refused = 0
         self._overwrites_refused = 0
         self._closed = False
@@ -73,7 +76,7 @@ class LocalStore(KVStore):
         tags = check_tags(tags, keys, op)
         if fields is None and tags is None:
             raise ValueError(f"{op}: give fields, tags, or both (partition {partition_id!r}, {len(keys)} keys)")
-        columns = per_key_fields(fields, len(keys))  # copies made outside the lock
+        columns = columns_of_put(fields, keys)  # the copies are made outside the lock
         if not keys:
             return KVBatchMeta(partition_id, [], [])
         with self._lock:
@@ -86,48 +89,93 @@ class LocalStore(KVStore):
                 raise LateWriteError(
                     f"{op}: refused to re-create {len(late)} cleared key(s) in partition {partition_id!r} "
                     f"(the key or its group was cleared by kv_clear): {preview(late)}; nothing was written")
-            conflicts, writes = self._plan_field_writes(part, keys, columns, overwrite)
+            conflicts, skips = self._plan_field_writes(part, keys, columns, overwrite)
             if conflicts:
                 self._overwrites_refused += len(conflicts)
                 raise FieldOverwriteError(
                     f"{op}: {len(conflicts)} (key, field) pair(s) in partition {partition_id!r} already hold a "
                     f"different value: {preview(conflicts)}; pass overwrite=True to replace them; nothing was written")
             part = self._parts.setdefault(partition_id, part)
-            out_tags = []
+            entries, out_tags = [], []
             for i, key in enumerate(keys):
                 entry = part.get(key)
                 if entry is None:
                     entry = part[key] = _Entry()
                 if tags is not None:
                     entry.tag.update(tags[i])
+                entries.append(entry)
                 out_tags.append(entry.tag)
-            for key, name, value in writes:
-                entry = part[key]
-                old = entry.fields.get(name)
-                delta = nbytes(value) - (nbytes(old) if old is not None else 0)
-                entry.fields[name] = value
-                entry.nbytes += delta
-                self._bytes += delta
+            released: dict[int, Column] = {}
+            for name, refs in columns.items():
+                for col in {id(c): c for c, _ in refs}.values():
+                    self._held += col.nbytes
+                    self._bytes += col.nbytes
+                for i, (entry, ref) in enumerate(zip(entries, refs)):
+                    if (i, name) in skips:  # the same value is already there: the new row is not used
+                        self._drop_row(ref, released)
+                        continue
+                    old = entry.fields.get(name)
+                    if old is not None:
+                        self._drop_row(old, released)
+                    entry.fields[name] = ref
+            self._settle(released, part)
             return KVBatchMeta(partition_id, keys, out_tags)
 
     def _plan_field_writes(self, part: dict[str, _Entry], keys: list[str],
-                           columns: Mapping[str, list[torch.Tensor]], overwrite: bool):
-        """The (key, field, value) writes a put makes, and the (key, field) pairs it may not overwrite."""
+                           columns: Mapping[str, list[tuple[Column, int]]], overwrite: bool):
+        """The (key, field) pairs a put may not overwrite, and the (position, field) pairs it leaves as they are
+        (the key already holds that very value)."""
         conflicts: list[tuple[str, str]] = []
-        writes: list[tuple[str, str, torch.Tensor]] = []
-        for name, values in columns.items():
-            for key, value in zip(keys, values):
-                entry = part.get(key)
+        skips: set[tuple[int, str]] = set()
+        entries = [part.get(k) for k in keys]
+        if not any(e is not None and e.fields for e in entries):
+            return conflicts, skips
+        for name, refs in columns.items():
+            for i, (key, entry) in enumerate(zip(keys, entries)):
                 old = entry.fields.get(name) if entry is not None else None
                 if old is None:
-                    writes.append((key, name, value))
-                elif same_value(old, value):
                     continue
-                elif overwrite:
-                    writes.append((key, name, value))
-                else:
+                new_col, new_i = refs[i]
+                if same_value(old[0].row(old[1]), new_col.row(new_i)):
+                    skips.add((i, name))
+                elif not overwrite:
                     conflicts.append((key, name))
-        return conflicts, writes
+        return conflicts, skips
+
+    def _drop_row(self, ref: tuple[Column, int], released: dict[int, Column]) -> None:
+        """A row no key refers to any more: its bytes leave the count; the column is settled by :meth:`_settle`."""
+        col, i = ref
+        size = col.row_nbytes(i)
+        self._bytes -= size
+        col.live_bytes -= size
+        col.live -= 1
+        released[id(col)] = col
+
+    def _settle(self, released: dict[int, Column], part: dict[str, _Entry]) -> None:
+        """Free columns without live rows; copy the live rows of those at most half used into a smaller one."""
+        for col in released.values():
+            if col.live == 0:
+                self._held -= col.nbytes
+            elif 2 * col.live_bytes <= col.nbytes and col.nbytes:
+                self._compact(col, part)
+
+    def _compact(self, col: Column, part: dict[str, _Entry]) -> None:
+        name = None
+        rows, owners = [], []
+        for i, key in enumerate(col.keys):
+            entry = part.get(key)
+            if entry is None:
+                continue
+            for f, ref in entry.fields.items():
+                if ref[0] is col and ref[1] == i:
+                    name = f
+                    rows.append(i)
+                    owners.append(entry)
+                    break
+        new = col.take(rows)
+        for j, entry in enumerate(owners):
+            entry.fields[name] = (new, j)
+        self._held += new.nbytes - col.nbytes
 
     # ---- reads --------------------------------------------------------------------------------------
     def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str] | None = None,
@@ -152,8 +200,10 @@ class LocalStore(KVStore):
             if absent:
                 raise missing_error(op, partition_id, absent, "(key, field) pair(s)")
             columns = {f: [e.fields[f] for e in entries] for f in select}
-        # stored tensors are never mutated in place, so batching them outside the lock is safe
-        return assemble_batch(len(keys), columns, jagged)
+        # stored buffers are never mutated in place, so joining rows outside the lock is safe
+        jagged = set(jagged)
+        return TensorDict({f: gather_field(f, refs, f in jagged) for f, refs in columns.items()},
+                          batch_size=[len(keys)])
 
     def kv_batch_get_tags(self, keys: Sequence[str], partition_id: str) -> list[dict]:
         op = "kv_batch_get_tags"
@@ -185,11 +235,21 @@ class LocalStore(KVStore):
         with self._lock:
             part = self._parts.get(partition_id, {})
             dropped = 0
+            released: dict[int, Column] = {}
+            freed = 0
             for k in keys:
                 entry = part.pop(k, None)
                 if entry is not None:
                     dropped += 1
-                    self._bytes -= entry.nbytes
+                    for col, i in entry.fields.values():  # _drop_row, inlined: this loop runs per (key, field)
+                        size = col.unit_bytes if col.offsets is None else \
+                            (col.offsets[i + 1] - col.offsets[i]) * col.unit_bytes
+                        freed += size
+                        col.live_bytes -= size
+                        col.live -= 1
+                        released[id(col)] = col
+            self._bytes -= freed
+            self._settle(released, part)
             if not part:
                 self._parts.pop(partition_id, None)
             if mark_cleared:
@@ -203,6 +263,7 @@ class LocalStore(KVStore):
                 "keys": sum(len(p) for p in self._parts.values()),
                 "fields": sum(len(e.fields) for p in self._parts.values() for e in p.values()),
                 "bytes": self._bytes,
+                "held_bytes": self._held,
                 "cleared_marks": len(self._marks),
                 "late_writes_refused": self._late_refused,
                 "overwrites_refused": self._overwrites_refused,
@@ -212,7 +273,7 @@ class LocalStore(KVStore):
         with self._lock:
             self._parts.clear()
             self._marks.clear()
-            self._bytes = 0
+            self._bytes = self._held = 0
             self._closed = True
 
     def _check_open(self, op: str) -> None:

@@ -106,7 +106,7 @@ class KVBatchMeta:
         if not isinstance(self.extra_info, dict):
             raise TypeError(f"KVBatchMeta.extra_info must be a dict, got {type(self.extra_info).__name__}")
         self.tags = [_copy_tag(t) for t in self.tags]
-        self.extra_info = copy.deepcopy(self.extra_info)
+        self.extra_info = _copy_tag(self.extra_info)
 
     def __len__(self) -> int:
         return len(self.keys)

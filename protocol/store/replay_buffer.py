@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Sequence
 
-from protocol.store.keys import PromptStatus, is_trajectory_key, parse_trajectory_key
+from protocol.store.keys import KeyFormatError, PromptStatus, parse_trajectory_key
 from protocol.store.meta import KVBatchMeta
 
 __all__ = ["ReplayBufferConfig", "ReplayBuffer", "ReplayBufferError", "SampleTimeoutError", "GroupView",
@@ -144,23 +144,28 @@ def snapshot(tags: Mapping[str, dict]) -> BufferSnapshot:
         if tag.get("is_prompt"):
             g = groups.setdefault(key, GroupView(key, len(groups)))
             g.prompt_tag = tag
+    places: dict[str, list[tuple[int, int]]] = {}
     for key, tag in tags.items():
         if tag.get("is_prompt"):
             continue
-        if not is_trajectory_key(key):
+        try:
+            uid, session, index = parse_trajectory_key(key)
+        except KeyFormatError:
             orphans += 1
             continue
-        uid = parse_trajectory_key(key)[0]
         g = groups.get(uid)
         if g is None:  # padding samples and trajectories whose prompt key is gone are not sampleable
             orphans += 1
             continue
         g.keys.append(key)
         g.tags.append(tag)
-    for g in groups.values():
-        order = sorted(range(len(g.keys)), key=lambda i: parse_trajectory_key(g.keys[i])[1:])
-        g.keys = [g.keys[i] for i in order]
-        g.tags = [g.tags[i] for i in order]
+        places.setdefault(uid, []).append((session, index))
+    for uid, place in places.items():
+        g = groups[uid]
+        order = sorted(range(len(place)), key=place.__getitem__)
+        if order != list(range(len(order))):
+            g.keys = [g.keys[i] for i in order]
+            g.tags = [g.tags[i] for i in order]
     return BufferSnapshot(groups, orphans)
 
 

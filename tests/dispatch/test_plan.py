@@ -19,9 +19,11 @@ from dispatch import (
     build_plan,
     make_padding,
     padding_count,
+    read_plan_tags,
     restore_order,
     reverse_index,
 )
+from dispatch.balance import imbalance
 from protocol.store.keys import group_of, trajectory_key, trajectory_tag
 from protocol.batch.nested import to_nested
 
@@ -84,6 +86,15 @@ def test_plan_invariants(scn):
     snapshot = copy.deepcopy(tags)
     plan = build_plan(tags, topo, sett, keys=keys)
     assert tags == snapshot  # planning never edits tags
+    again = build_plan(read_plan_tags(tags, keys, need_groups=sett.group_partition), topo, sett)  # read once, reused
+    assert [r.mini_batches for r in again.ranks] == [r.mini_batches for r in plan.ranks]
+    assert again.metrics == plan.metrics
+    work = sett.workload(np.array([t["seq_len"] for t in tags]))
+    micro = [mb for r in plan.ranks for s in r.mini_batches for mb in s.micro_batch_indices]
+    assert plan.metrics["dispatch/max_micro_batch_tokens"] == max(sum(tags[i]["seq_len"] for i in mb) for mb in micro)
+    bal = [imbalance([float(work[mb].sum()) for mb in s.micro_batch_indices]) for r in plan.ranks
+           for s in r.mini_batches]
+    assert plan.metrics["dispatch/micro_batch_balance"] == pytest.approx(float(np.mean(bal)), rel=1e-12)
     n = len(keys)
     per_epoch = plan.num_mini_batches // sett.ppo_epochs
     assert plan.num_mini_batches == sett.ppo_epochs * per_epoch

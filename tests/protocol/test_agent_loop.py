@@ -90,6 +90,47 @@ def test_single_turn_templates_messages_and_caps_tokens():
     assert seen["ids"] == [4, 5] and seen["sp"]["max_tokens"] == 3
 
 
+def test_prompt_template_is_reused_for_equal_messages_only():
+    """The sessions of a group share their prompt: templated once; messages edited in place are templated again."""
+    calls = []
+
+    class Counting(CharTokenizer):
+        def apply_chat_template(self, messages, **kw):
+            calls.append(1)
+            return super().apply_chat_template(messages, **kw)
+
+    tok = Counting()
+    loop = SingleTurnAgentLoop(lambda i, s: ([7], None), tok)
+    msgs = [{"role": "user", "content": "hi"}]
+    first = loop.prompt_to_ids(msgs)
+    first.append(99)  # the caller owns what it gets
+    assert loop.prompt_to_ids(msgs) == tok.apply_chat_template(msgs) and len(calls) == 2
+    msgs[0]["content"] = "ho"
+    assert loop.prompt_to_ids(msgs) == TOK.apply_chat_template(msgs) and len(calls) == 3
+    assert loop.prompt_to_ids([{"role": "user", "content": "ho"}]) == TOK.apply_chat_template(msgs)
+    assert len(calls) == 3
+
+
+def test_output_fast_checks_keep_the_errors():
+    """The one-pass type checks still refuse bools and floats among ids and accept int subclasses."""
+    import enum
+
+    class Tok(enum.IntEnum):
+        A = 3
+
+    out = AgentLoopOutput([Tok.A], (4, 5), [1, 0], (-0.5, -1))
+    assert out.prompt_ids.tolist() == [3] and out.response_logprobs.tolist() == [-0.5, -1.0]
+    with pytest.raises(AgentLoopOutputError, match="must hold ints"):
+        AgentLoopOutput([1, True], [4], [1])
+    with pytest.raises(AgentLoopOutputError, match="only 0 and 1"):
+        AgentLoopOutput([1], [4, 5], [1, 3])
+    with pytest.raises(AgentLoopOutputError, match="outside int64"):
+        AgentLoopOutput([2 ** 70], [4], [1])
+    with pytest.raises(GenerateError, match="ints"):
+        run(call_generate(lambda i, s: ([1, 2.0], None), [1], {}))
+    assert run(call_generate(lambda i, s: ([1], (x for x in [-1])), [1], {})) == ([1], [-1.0])
+
+
 def test_single_turn_truncates_an_overlong_generator_and_reports_it():
     loop = SingleTurnAgentLoop(lambda i, s: (list(range(20, 32)), [-1.0] * 12), TOK, max_response_length=5)
     (out,) = run(loop.run([1]))

@@ -174,14 +174,131 @@ def test_cleared_marks_bounded_fifo():
 def test_clear_releases_stored_tensors():
     store = LocalStore()
     store.kv_batch_put(["a_0_0", "a_1_0"], "train", {"x": _jagged([torch.ones(100), torch.ones(50)])})
-    refs = [weakref.ref(e.fields["x"]) for e in store._parts["train"].values()]
-    assert store.stats()["bytes"] == 150 * 4
+    refs = [weakref.ref(e.fields["x"][0].values) for e in store._parts["train"].values()]
+    assert store.stats()["bytes"] == store.stats()["held_bytes"] == 150 * 4
     store.kv_clear(["a_0_0", "a_1_0"], "train")
     gc.collect()
     assert all(r() is None for r in refs)
-    assert store.stats() == {"partitions": 0, "keys": 0, "fields": 0, "bytes": 0, "cleared_marks": 2,
-                             "late_writes_refused": 0, "overwrites_refused": 0}
+    assert store.stats() == {"partitions": 0, "keys": 0, "fields": 0, "bytes": 0, "held_bytes": 0,
+                             "cleared_marks": 2, "late_writes_refused": 0, "overwrites_refused": 0}
     assert store._parts == {}
+
+
+def test_put_copies_each_field_once_and_never_shares_memory():
+    """One buffer per field of a put (not one per key); neither the put's nor the get's tensors alias the store."""
+    store = LocalStore()
+    resp = _jagged([torch.arange(3), torch.arange(5), torch.arange(2)])
+    score = torch.tensor([1.0, 2.0, 3.0])
+    keys = ["a_0_0", "a_1_0", "a_2_0"]
+    store.kv_batch_put(keys, "t", {"responses": resp, "score": score})
+    entries = [store._parts["t"][k] for k in keys]
+    assert len({id(e.fields["responses"][0]) for e in entries}) == 1
+    buf = entries[0].fields["responses"][0].values
+    assert buf.untyped_storage().data_ptr() != resp.values().untyped_storage().data_ptr()
+    score[0] = 99.0
+    resp.values()[0] = 99
+    got = store.kv_batch_get(keys, "t", ["responses", "score"])
+    assert got["score"].tolist() == [1.0, 2.0, 3.0] and got["responses"].values()[0] == 0
+    got["responses"].values()[1] = -7
+    again = store.kv_batch_get(keys[:1], "t", ["responses"], jagged=["responses"])["responses"]
+    assert again.values().tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.bool, torch.float16, torch.int8, torch.complex64])
+def test_dtypes_numpy_lacks_or_narrows_come_back_exact(dtype):
+    """Rows are joined through numpy views; bfloat16 (which numpy lacks) and the narrow dtypes come back bit-exact,
+    in order and scattered."""
+    rows = [(torch.arange(n * 3) % 5 - 2).reshape(n, 3).to(dtype) for n in (1, 4, 2, 3)]
+    keys = [f"k{i}_0_0" for i in range(4)]
+    store = LocalStore()
+    store.kv_batch_put(keys[:2], "t", {"x": rows[:2], "d": torch.stack([rows[0][0], rows[1][0]])})
+    store.kv_batch_put(keys[2:], "t", {"x": rows[2:], "d": torch.stack([rows[2][0], rows[3][0]])})
+    for order in (keys, keys[::-1]):
+        got = store.kv_batch_get(order, "t", ["x", "d"])
+        want = [rows[int(k[1])] for k in order]
+        assert got["x"].dtype == dtype and all(torch.equal(a, b) for a, b in zip(got["x"].unbind(), want))
+        assert torch.equal(got["d"], torch.stack([w[0] for w in want]))
+
+
+@pytest.mark.parametrize("kind", ["ragged", "dense", "dense_rows_jagged"])
+def test_scattered_read_of_one_column(kind):
+    """Rows of one big column read in a scattered order (one index instead of a slice per run) come back right."""
+    n = 64
+    gen = torch.Generator().manual_seed(0)
+    if kind == "ragged":
+        rows = [torch.randn(int(torch.randint(0, 5, (1,), generator=gen)), 2, generator=gen) for _ in range(n)]
+        field = _jagged(rows)
+    else:
+        field = torch.randn(n, 3, 2, generator=gen)
+        rows = list(field.unbind(0))
+    keys = [f"k{i}_0_0" for i in range(n)]
+    store = LocalStore()
+    store.kv_batch_put(keys, "t", {"x": field})
+    order = torch.randperm(n, generator=gen).tolist()
+    got = store.kv_batch_get([keys[i] for i in order], "t", ["x"], jagged=["x"] if kind != "dense" else [])["x"]
+    assert got.is_nested == (kind != "dense")
+    assert all(torch.equal(a, rows[i]) for a, i in zip(got.unbind(), order))
+
+
+def test_partial_clear_compacts_to_at_most_twice_the_live_bytes():
+    """Clearing most keys of a put copies the rest into a smaller buffer; the values stay what was written."""
+    store = LocalStore(max_cleared_marks=0)
+    rows = [torch.full((i + 1,), float(i)) for i in range(10)]
+    keys = [f"g{i}_0_0" for i in range(10)]
+    store.kv_batch_put(keys, "t", {"x": _jagged(rows), "y": torch.arange(10.0)})
+    old = weakref.ref(store._parts["t"]["g9_0_0"].fields["x"][0].values)
+    store.kv_clear(keys[5:], "t")  # rows 5..9 hold 45 of the 55 elements of x, and half of y
+    gc.collect()
+    assert old() is None
+    stats = store.stats()
+    assert stats["bytes"] == (15 + 5) * 4 and stats["held_bytes"] == stats["bytes"]
+    got = store.kv_batch_get(keys[:5], "t", ["x", "y"])
+    assert all(torch.equal(a, b) for a, b in zip(got["x"].unbind(), rows[:5]))
+    assert got["y"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    store.kv_batch_put(keys[:2], "t", {"x": _jagged([torch.ones(3), torch.ones(1)])}, overwrite=True)
+    assert store.stats()["held_bytes"] <= 2 * store.stats()["bytes"]
+    store.kv_clear(keys[:5], "t")
+    assert store.stats()["bytes"] == store.stats()["held_bytes"] == 0
+
+
+_row_specs = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.sampled_from([(), (2,)])),
+                      min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(puts=st.lists(_row_specs, min_size=1, max_size=3), order=st.randoms(use_true_random=False),
+       dense=st.booleans(), jagged=st.booleans(), dtype=st.sampled_from([torch.float32, None]))
+def test_get_joins_rows_like_assemble_field(puts, order, dense, jagged, dtype):
+    """Rows written by several puts (jagged, dense, or lists), read back in any order: the same tensor (or the
+    same error) as ``assemble_field`` of the per-key values."""
+    store = LocalStore()
+    values, keys = {}, []
+    for p, spec in enumerate(puts):
+        rows = []
+        for i, (kind, length, trail) in enumerate(spec):
+            shape = (length, *trail) if kind else trail  # kind 0: a 0-d or fixed-shape row
+            dt = torch.int64 if (dtype is None and (p + i) % 2) else torch.float32
+            rows.append(torch.arange(int(np.prod(shape, dtype=int)), dtype=dt).reshape(shape) + 10 * p + i)
+        ks = [f"p{p}r{i}_0_0" for i in range(len(rows))]
+        same = all(r.shape == rows[0].shape and r.dtype == rows[0].dtype for r in rows)
+        ragged = all(r.dim() >= 1 and r.dtype == rows[0].dtype and r.shape[1:] == rows[0].shape[1:] for r in rows)
+        field = torch.stack(rows) if dense and same else (_jagged(rows) if ragged and not same else rows)
+        store.kv_batch_put(ks, "t", {"x": field})
+        values.update(zip(ks, rows))
+        keys += ks
+    order.shuffle(keys)
+    try:
+        want = assemble_field("x", [values[k] for k in keys], jagged)
+    except FieldShapeError as exc:
+        with pytest.raises(FieldShapeError, match=str(exc).split(":")[0]):
+            store.kv_batch_get(keys, "t", ["x"], jagged=["x"] if jagged else [])
+        return
+    got = store.kv_batch_get(keys, "t", ["x"], jagged=["x"] if jagged else [])["x"]
+    assert got.is_nested == want.is_nested and got.dtype == want.dtype
+    if want.is_nested:
+        assert all(torch.equal(a, b) for a, b in zip(got.unbind(), want.unbind()))
+    else:
+        assert torch.equal(got, want)
 
 
 def test_overwrite_true_keeps_byte_count_exact():
@@ -283,6 +400,7 @@ def test_local_store_agrees_with_dict_model(ops):
             assert store.kv_clear(keys, p) == n
         for q in ("p0", "p1"):
             assert store.kv_list(q)[q] == {k: t for (pp, k), (t, _) in data.items() if pp == q}
+        assert store.stats()["held_bytes"] <= 2 * store.stats()["bytes"]
     total = sum(v.numel() * v.element_size() for _, flds in data.values() for v in flds.values())
     assert store.stats()["bytes"] == total and store.stats()["keys"] == len(data)
 

@@ -8,7 +8,8 @@ Names registered with ``prefix=True`` also serve every ``data_source`` that star
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 from protocol.registry import Registry
 

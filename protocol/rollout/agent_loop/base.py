@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import abc
+import copy
 import inspect
-from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Awaitable, Callable, Union
 
 import torch
 
-from protocol.rollout.agent_loop.output import AgentLoopOutput
+from protocol.rollout.agent_loop.output import AgentLoopOutput, only_types
 from protocol.registry import Registry
 
 __all__ = [
@@ -25,6 +27,9 @@ __all__ = [
 GenerateFn = Callable[[list, dict], Union[tuple, Awaitable[tuple]]]
 
 
+_INT, _FLOAT = frozenset({int}), frozenset({float})
+
+
 class GenerateError(ValueError):
     """A ``generate`` callable that returned something other than ``(token_ids, logprobs | None)``."""
 
@@ -35,9 +40,10 @@ def _ids_list(value: Any, what: str) -> list[int]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise GenerateError(f"{what} must be a list of ints or a 1-D tensor, got {type(value).__name__}")
     out = list(value)
-    bad = [v for v in out if isinstance(v, bool) or not isinstance(v, int)]
-    if bad:
-        raise GenerateError(f"{what} must hold ints, found {bad[:3]!r}")
+    if not only_types(out, _INT):
+        bad = [v for v in out if isinstance(v, bool) or not isinstance(v, int)]
+        if bad:
+            raise GenerateError(f"{what} must hold ints, found {bad[:3]!r}")
     return out
 
 
@@ -58,7 +64,9 @@ async def call_generate(generate: GenerateFn, prompt_ids: Sequence[int], samplin
     if logprobs is not None:
         if isinstance(logprobs, torch.Tensor):
             logprobs = logprobs.reshape(-1).tolist()
-        logprobs = [float(x) for x in logprobs]
+        logprobs = list(logprobs)
+        if not only_types(logprobs, _FLOAT):
+            logprobs = [float(x) for x in logprobs]
         if len(logprobs) != len(token_ids):
             raise GenerateError(f"generate returned {len(token_ids)} token ids but {len(logprobs)} log-probs")
     return token_ids, logprobs
@@ -89,15 +97,26 @@ class AgentLoop(abc.ABC):
         self.generate = generate
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
+        self._templated: tuple[list, list[int]] | None = None  # (a copy of the last messages, their ids)
 
     def prompt_to_ids(self, prompt: Any) -> list[int]:
-        """Token ids of ``prompt``: ids are taken as they are, a message list goes through the chat template."""
+        """Token ids of ``prompt``: ids are taken as they are, a message list goes through the chat template.
+
+        The ``rollout.n`` sessions of a group share one prompt, so the last templated messages are remembered (a
+        copy, compared by value: a list edited in place is templated again).
+        """
         if isinstance(prompt, torch.Tensor):
             return _ids_list(prompt, "prompt")
+        last = getattr(self, "_templated", None)  # subclasses may skip AgentLoop.__init__
+        if last is not None and type(prompt) is list and prompt == last[0]:
+            return list(last[1])
         if _is_messages(prompt):
             if self.tokenizer is None:
                 raise ValueError(f"{type(self).__name__} got chat messages but has no tokenizer to template them")
-            return list(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
+            ids = list(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
+            if type(prompt) is list:
+                self._templated = (copy.deepcopy(prompt), list(ids))
+            return ids
         if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
             if not prompt:
                 raise ValueError(f"{type(self).__name__}: prompt is empty (prompt_len must be >= 1)")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["AgentLoopOutput", "AgentLoopOutputError"]
@@ -13,6 +14,16 @@ __all__ = ["AgentLoopOutput", "AgentLoopOutputError"]
 
 class AgentLoopOutputError(ValueError):
     """An AgentLoopOutput whose fields are missing, of the wrong type, or of unequal lengths."""
+
+
+_INT = frozenset({int})
+_NUMBER = frozenset({int, float})
+
+
+def only_types(values: list, allowed: frozenset) -> bool:
+    """Every item of ``values`` is exactly of an ``allowed`` type: one C-level pass, where an ``isinstance`` per
+    item would cost a Python step per token. False means "look closer" (subclasses are checked one by one)."""
+    return set(map(type, values)) <= allowed
 
 
 def _as_ids(name: str, value: Any) -> torch.Tensor:
@@ -25,10 +36,16 @@ def _as_ids(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be a list of ints or a 1-D tensor, "
                                    f"got {type(value).__name__}")
-    bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int)]
-    if bad:
-        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold ints, found {bad[:3]!r}")
-    return torch.tensor(list(value), dtype=torch.int64)
+    value = value if type(value) is list else list(value)
+    if not only_types(value, _INT):
+        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int)]
+        if bad:
+            raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold ints, found {bad[:3]!r}")
+        value = [int(v) for v in value]  # int subclasses (IntEnum) as plain ints
+    try:  # through numpy: a few times cheaper than torch.tensor for the short lists of one trajectory
+        return torch.from_numpy(np.array(value, dtype=np.int64))
+    except OverflowError:
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} holds an int outside int64") from None
 
 
 def _as_floats(name: str, value: Any) -> torch.Tensor:
@@ -39,6 +56,9 @@ def _as_floats(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be a list of floats or a 1-D tensor, "
                                    f"got {type(value).__name__}")
+    value = value if type(value) is list else list(value)
+    if only_types(value, _NUMBER):
+        return torch.from_numpy(np.array(value, dtype=np.float32))
     try:
         return torch.tensor([float(v) for v in value], dtype=torch.float32)
     except (TypeError, ValueError):
@@ -75,6 +95,8 @@ class AgentLoopOutput:
     def __post_init__(self) -> None:
         self.prompt_ids = _as_ids("prompt_ids", self.prompt_ids)
         self.response_ids = _as_ids("response_ids", self.response_ids)
+        # a list mask is checked for 0/1 before it becomes a tensor (a set of its values, not four tensor ops)
+        binary = type(self.response_mask) is list and set(self.response_mask) <= {0, 1}
         self.response_mask = _as_ids("response_mask", self.response_mask)
         if self.prompt_ids.numel() < 1:
             raise AgentLoopOutputError("AgentLoopOutput.prompt_ids is empty; a trajectory needs prompt_len >= 1")
@@ -82,7 +104,7 @@ class AgentLoopOutput:
         if self.response_mask.numel() != n:
             raise AgentLoopOutputError(f"AgentLoopOutput.response_mask has {self.response_mask.numel()} entries, "
                                        f"response_ids has {n}; they must be equal")
-        if n and not bool(((self.response_mask == 0) | (self.response_mask == 1)).all()):
+        if n and not binary and not bool(((self.response_mask == 0) | (self.response_mask == 1)).all()):
             raise AgentLoopOutputError("AgentLoopOutput.response_mask must hold only 0 and 1, got values "
                                        f"{sorted(set(self.response_mask.tolist()))}")
         if self.response_logprobs is not None:

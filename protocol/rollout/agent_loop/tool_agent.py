@@ -1,7 +1,8 @@
 """ToolAgentLoop: multi-turn tool use; policy generations have mask 1, tool observations mask 0."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from protocol.rollout.agent_loop.base import AgentLoop, GenerateFn, call_generate, register_agent_loop
 from protocol.rollout.agent_loop.output import AgentLoopOutput

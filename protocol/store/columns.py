@@ -1,0 +1,279 @@
+"""Columns: how :class:`~protocol.store.LocalStore` holds values, one own buffer per field of each put.
+
+A put of ``n`` keys copies each field once into a :class:`Column` — dense rows ``[n, *shape]``, or ragged rows
+(``values [T, *rest]`` cut at ``offsets [n + 1]``) — and each key refers to its row ``(column, i)``. A get joins
+the rows it asks for by slicing runs of consecutive rows, so neither side does a tensor operation per key.
+What comes back follows the same rule as :func:`~protocol.store.batching.assemble_field` (dense when every
+row has the same shape, jagged when only dim 0 differs, ``FieldShapeError`` otherwise).
+
+A column's buffer is freed when its last row is cleared or overwritten; :meth:`Column.take` copies the rows
+still in use into a smaller buffer, which the store does once half of a column's bytes are no longer used.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from protocol.batch.nested import nested_from_values
+from .batching import assemble_field
+from .errors import FieldShapeError, preview
+
+__all__ = ["Column", "columns_of_put", "gather_field"]
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A detached, contiguous CPU copy with its own storage (never a view of the caller's tensor)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_cpu:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.to("cpu").contiguous()
+
+
+class Column:
+    """One field of one put: the store's own buffer and the key of each row (``keys[i]`` owns row ``i``)."""
+
+    __slots__ = ("values", "offsets", "keys", "live", "live_bytes", "unit_bytes", "_array")
+
+    def __init__(self, values: torch.Tensor, offsets: list[int] | None, keys: Sequence[str]):
+        self.values = values
+        self.offsets = offsets  # ragged rows: row i is values[offsets[i]:offsets[i + 1]]; None: row i is values[i]
+        self.keys = list(keys)
+        self.live = len(self.keys)  # rows some key still refers to
+        self.live_bytes = self.nbytes  # and their bytes
+        self.unit_bytes = math.prod(values.shape[1:]) * values.element_size()  # a dense row, or one ragged step
+        self._array: np.ndarray | None = None
+
+    @property
+    def array(self) -> np.ndarray:
+        """The buffer as a numpy view (same memory): slicing it costs a fraction of slicing the tensor. Dtypes numpy
+        lacks (bfloat16, float8) are viewed as the integer of their width; :func:`_to_tensor` views them back."""
+        if self._array is None:
+            try:
+                self._array = self.values.numpy()
+            except TypeError:
+                self._array = self.values.view(_INT_OF_WIDTH[self.values.element_size()]).numpy()
+        return self._array
+
+    @property
+    def ragged(self) -> bool:
+        return self.offsets is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole buffer (what the column holds, live rows or not)."""
+        return self.values.numel() * self.values.element_size()
+
+    def row(self, i: int) -> torch.Tensor:
+        """Row ``i`` as a view of the buffer (callers copy before handing it out)."""
+        if self.offsets is None:
+            return self.values[i]
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+    def row_nbytes(self, i: int) -> int:
+        if self.offsets is None:
+            return self.unit_bytes
+        return (self.offsets[i + 1] - self.offsets[i]) * self.unit_bytes
+
+    def take(self, rows: Sequence[int]) -> "Column":
+        """A new column (own buffer) of ``rows``, in that order."""
+        keys = [self.keys[i] for i in rows]
+        idx = np.asarray(rows, dtype=np.int64)
+        if self.offsets is None:
+            return Column(self.values[torch.from_numpy(idx)], None, keys)  # indexing copies
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        lengths = offsets[idx + 1] - offsets[idx]
+        token = _ranges(offsets[idx], lengths)
+        return Column(self.values[torch.from_numpy(token)], _offsets(lengths), keys)
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``dtype`` on the memory of ``array`` (a new array :meth:`Column.array` slices were joined into)."""
+    t = torch.from_numpy(array)
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+def _offsets(lengths: np.ndarray) -> list[int]:
+    """Row offsets ``[0, l0, l0 + l1, ...]`` as a Python list (slicing with it needs no conversions)."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out.tolist()
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a loop."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    shift = np.repeat(starts - (ends - lengths), lengths)
+    return np.arange(total, dtype=np.int64) + shift
+
+
+def _list_column(name: str, rows: list[torch.Tensor], keys: Sequence[str]) -> list[tuple[Column, int]]:
+    """Rows given one tensor per key: one ragged or dense column when they fit one, else one column per key."""
+    bad = [i for i, r in enumerate(rows) if not isinstance(r, torch.Tensor)]
+    if bad:
+        raise TypeError(f"field {name!r}: list items must be tensors; positions {preview(bad)} are not "
+                        f"(first is {type(rows[bad[0]]).__name__})")
+    first = rows[0]
+    shapes = [r.shape for r in rows]
+    uniform = len({(r.dtype, r.device) for r in rows}) == 1
+    if uniform and first.dim() >= 1 and len({s[1:] for s in shapes}) == 1 and min(map(len, shapes)) >= 1:
+        offsets = [0]
+        for s in shapes:
+            offsets.append(offsets[-1] + s[0])
+        values = torch.cat(rows, 0).detach()
+        col = Column(values if values.is_cpu else values.to("cpu"), offsets, keys)
+    elif uniform and len(set(shapes)) == 1:
+        values = torch.stack(rows).detach()
+        col = Column(values if values.is_cpu else values.to("cpu"), None, keys)
+    else:  # values that could never be batched together still go in, each in a column of its own
+        return [(Column(_own(r).unsqueeze(0), None, [k]), 0) for r, k in zip(rows, keys)]
+    return [(col, i) for i in range(len(rows))]
+
+
+def _field_column(name: str, value: Any, keys: Sequence[str]) -> list[tuple[Column, int]]:
+    """The ``(column, row)`` of each key for one batched field (dim 0 = keys), copied once."""
+    n = len(keys)
+    if isinstance(value, torch.Tensor):
+        if value.is_nested and value.layout == torch.jagged:
+            if value._lengths is not None or not value.is_contiguous():
+                value = value.contiguous()
+            offsets = value.offsets().tolist()
+            if len(offsets) - 1 != n:
+                raise FieldShapeError(f"field {name!r}: batch dim 0 has {len(offsets) - 1} entries, expected {n} "
+                                      f"(one per key)")
+            col = Column(_own(value.values()), offsets, keys)
+            return [(col, i) for i in range(n)]
+        if value.is_nested:  # strided layout: components may differ in any dim
+            return _field_column(name, list(value.unbind(0)), keys)
+        if value.dim() == 0:
+            raise FieldShapeError(f"field {name!r}: a batched value needs a batch dim 0 of size {n}, got a 0-d tensor")
+        if value.shape[0] != n:
+            raise FieldShapeError(f"field {name!r}: batch dim 0 has {value.shape[0]} entries, expected {n} "
+                                  f"(one per key)")
+        col = Column(_own(value), None, keys)
+        return [(col, i) for i in range(n)]
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise FieldShapeError(f"field {name!r}: batch dim 0 has {len(value)} entries, expected {n} (one per key)")
+        return _list_column(name, list(value), keys) if n else []
+    raise TypeError(f"field {name!r}: expected a tensor (dense or jagged) or a list of tensors, "
+                    f"got {type(value).__name__}")
+
+
+def columns_of_put(fields: Any, keys: Sequence[str]) -> dict[str, list[tuple[Column, int]]]:
+    """The ``fields`` of a batch put (TensorDict or mapping, dim 0 = keys) as field -> each key's (column, row)."""
+    if fields is None:
+        return {}
+    n = len(keys)
+    if isinstance(fields, TensorDictBase):
+        if len(fields.batch_size) == 0 or fields.batch_size[0] != n:
+            raise FieldShapeError(f"fields: TensorDict batch_size {list(fields.batch_size)} does not match "
+                                  f"{n} keys (dim 0 must equal len(keys))")
+        items = []
+        for name in fields.keys():
+            value = fields.get(name)
+            if isinstance(value, TensorDictBase):
+                raise TypeError(f"fields: nested TensorDict under {name!r} is not supported; flatten it "
+                                f"(e.g. td.flatten_keys('.'))")
+            items.append((name, value))
+    elif isinstance(fields, Mapping):
+        items = list(fields.items())
+    else:
+        raise TypeError(f"fields must be a TensorDict or a dict of tensors, got {type(fields).__name__}")
+    out: dict[str, list[tuple[Column, int]]] = {}
+    for name, value in items:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"fields: names must be non-empty str, got {name!r}")
+        out[name] = _field_column(name, value, keys)
+    return out
+
+
+def _runs(refs: Sequence[tuple[Column, int]]) -> list[tuple[Column, int, int]]:
+    """``refs`` as maximal runs ``(column, first, end)`` of consecutive rows of one column, in order."""
+    runs = []
+    col, first, prev = None, 0, -2
+    for c, i in refs:
+        if c is col and i == prev + 1:
+            prev = i
+            continue
+        if col is not None:
+            runs.append((col, first, prev + 1))
+        col, first, prev = c, i, i
+    if col is not None:
+        runs.append((col, first, prev + 1))
+    return runs
+
+
+#: a read of one column in this many runs or more takes its rows with one index instead of a slice per run
+_INDEX_RUNS = 16
+
+
+def _rows_of(refs: Sequence[tuple[Column, int]], trail: torch.Size | None) -> tuple[torch.Tensor, list[int]]:
+    """The rows ``refs`` back to back along dim 0 (a new tensor) — dense rows as they are when ``trail`` is None,
+    else as ``[len, *trail]`` tokens — and each row's length along dim 0 (only when ``trail`` is given)."""
+    runs = _runs(refs)
+    col = runs[0][0]
+    dtype = col.values.dtype
+    lengths: list[int] = []
+    if len(runs) >= _INDEX_RUNS and all(c is col for c, _, _ in runs):  # one column, rows scattered
+        idx = np.fromiter((i for _, i in refs), dtype=np.int64, count=len(refs))
+        if col.offsets is None:
+            rows = col.array[idx]
+            if trail is not None:
+                rows = rows.reshape(-1, *trail)
+                lengths = [col.values.shape[1]] * len(refs)
+            return _to_tensor(rows, dtype), lengths
+        off = np.asarray(col.offsets, dtype=np.int64)
+        lens = off[idx + 1] - off[idx]
+        return _to_tensor(col.array[_ranges(off[idx], lens)], dtype), lens.tolist()
+    pieces = []
+    for c, a, b in runs:
+        if c.offsets is not None:
+            off = c.offsets
+            pieces.append(c.array[off[a]:off[b]])
+            lengths.extend([off[i + 1] - off[i] for i in range(a, b)])
+        elif trail is None:
+            pieces.append(c.array[a:b])
+        else:
+            pieces.append(c.array[a:b].reshape(-1, *trail))
+            lengths.extend([c.values.shape[1]] * (b - a))
+    return _to_tensor(np.concatenate(pieces, 0), dtype), lengths
+
+
+def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = False) -> torch.Tensor:
+    """Join the rows ``refs`` (in order) into one batch field, by the rule of ``assemble_field`` (a new tensor)."""
+    cols = list({id(c): c for c, _ in refs}.values())
+    if not cols or len({c.values.dtype for c in cols}) != 1:
+        return assemble_field(name, [c.row(i) for c, i in refs], jagged)  # it names the problem
+    n = len(refs)
+    dense = [c for c in cols if c.offsets is None]
+    shape = cols[0].values.shape[1:]
+    if len(dense) == len(cols) and all(c.values.shape[1:] == shape for c in cols):  # every row has one shape
+        if jagged and len(shape) == 0:
+            return assemble_field(name, [c.row(i) for c, i in refs], jagged)  # 0-d rows cannot be jagged
+        values, _ = _rows_of(refs, None)
+        if not jagged:
+            return values.reshape(n, *shape)
+        return nested_from_values(values.reshape(-1, *shape[1:]), torch.arange(n + 1, dtype=torch.int64) * shape[0])
+    # rows of ndim >= 1 that share their trailing dims: join tokens, then decide dense or jagged
+    rest = {c.values.shape[1:] if c.offsets is not None else c.values.shape[2:] for c in cols}
+    if len(rest) != 1 or any(c.values.dim() < 2 for c in dense):
+        return assemble_field(name, [c.row(i) for c, i in refs], jagged)
+    (trail,) = rest
+    values, lengths = _rows_of(refs, trail)
+    if not jagged and min(lengths) == max(lengths):
+        return values.reshape(n, lengths[0], *trail)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return nested_from_values(values, torch.from_numpy(offsets))
