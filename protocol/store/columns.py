@@ -61,10 +61,6 @@ class Column:
         return self._array
 
     @property
-    def ragged(self) -> bool:
-        return self.offsets is not None
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the whole buffer (what the column holds, live rows or not)."""
         return self.values.numel() * self.values.element_size()
