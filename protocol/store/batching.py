@@ -8,7 +8,8 @@ The rule both stores follow when they hand a field back (``assemble_field``):
 * a field named in ``jagged`` is returned jagged even when all shapes agree (values of dim >= 1);
 * anything else (different dtypes, different ndim, shapes differing beyond dim 0) -> FieldShapeError.
 
-Per-key values are stored as their own CPU tensors, so clearing one key frees its memory.
+The TransferQueue store keeps these per-key values as their own CPU tensors; :class:`LocalStore` keeps one
+buffer per field of each put (:mod:`protocol.store.columns`) and joins rows by the same rule.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ __all__ = [
     "same_value",
     "nbytes",
     "normalize_tag",
+    "own_copy",
 ]
 
 
@@ -40,7 +42,7 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _own_copy(t: torch.Tensor) -> torch.Tensor:
+def own_copy(t: torch.Tensor) -> torch.Tensor:
     """A detached, contiguous CPU copy with its own storage (never a view into the caller's buffer)."""
     if t.requires_grad:
         t = t.detach()
@@ -89,7 +91,7 @@ def split_rows(name: str, value: Any, n: int) -> list[torch.Tensor]:
                         f"got {type(value).__name__}")
     if len(rows) != n:
         raise FieldShapeError(f"field {name!r}: batch dim 0 has {len(rows)} entries, expected {n} (one per key)")
-    return [_own_copy(r) for r in rows]
+    return [own_copy(r) for r in rows]
 
 
 def per_key_fields(fields: Any, n: int) -> dict[str, list[torch.Tensor]]:
@@ -139,7 +141,7 @@ def single_key_fields(fields: Any) -> dict[str, torch.Tensor]:
         if not isinstance(value, torch.Tensor) or value.is_nested:
             raise TypeError(f"field {name!r}: a single-key value must be a plain (non-nested) tensor, "
                             f"got {type(value).__name__}")
-        out[name] = _own_copy(value)
+        out[name] = own_copy(value)
     return out
 
 

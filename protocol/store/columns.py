@@ -20,19 +20,10 @@ import torch
 from tensordict import TensorDictBase
 
 from protocol.batch.nested import nested_from_values
-from .batching import assemble_field
+from .batching import assemble_field, own_copy as _own
 from .errors import FieldShapeError, preview
 
 __all__ = ["Column", "columns_of_put", "gather_field"]
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """A detached, contiguous CPU copy with its own storage (never a view of the caller's tensor)."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_cpu:
-        return t.clone(memory_format=torch.contiguous_format)
-    return t.to("cpu").contiguous()
 
 
 class Column:
