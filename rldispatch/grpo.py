@@ -488,7 +488,7 @@ class GRPOTrainer:
         st.metrics.update(plan.metrics)
         full = plan.full_meta(self.store)
         st.own = self.store.local_keys(full.keys, TRAIN, "responses")  # trajectories this rank generated
-        st.own_pad = self._padding_flags(st.own)
+        st.own_pad = self._padding_flags(st.own, full)
         return full
 
     def _compute_reward(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
@@ -597,9 +597,10 @@ class GRPOTrainer:
         td = self.store.read_local(own, TRAIN, fields)
         assert_invariants(td, keys=own, tags=self.store.tags_of(own, TRAIN))
 
-    def _padding_flags(self, keys: list[str]) -> torch.Tensor:
-        """``is_padding`` of each key, from the replicated tags."""
-        return torch.tensor([bool(t.get("is_padding")) for t in self.store.tags_of(keys, TRAIN)], dtype=torch.bool)
+    def _padding_flags(self, keys: list[str], full: KVBatchMeta) -> torch.Tensor:
+        """``is_padding`` of each of ``keys``, from the step's replicated tags in ``full``."""
+        padding = {k for k, t in zip(full.keys, full.tags) if t.get("is_padding")}
+        return torch.tensor([k in padding for k in keys], dtype=torch.bool)
 
     def _bypass_old_log_probs(self, own: list[str], own_pad: torch.Tensor) -> None:
         """Bypass mode: the rollout's own log-probs are the old log-probs (padding samples get zeros)."""

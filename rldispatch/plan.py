@@ -100,7 +100,7 @@ def make_step_plan(meta: KVBatchMeta, topology: Topology, cfg: RunConfig, step: 
     count = padding_count(len(meta), train_settings.padding_multiple(topology))
     pad = make_padding(count, global_steps=step, fields=list(INT_FIELDS), seed=cfg.trainer.seed * 1_000_003 + step)
     keys = list(meta.keys) + pad.keys
-    tags = [dict(t) for t in meta.tags] + [dict(t) for t in pad.tags]
+    tags = list(meta.tags) + list(pad.tags)  # planning reads tags and never edits them (tests/dispatch/test_plan.py)
     read = read_plan_tags(tags, keys, need_groups=train_settings.group_partition)  # once for both plans
     train = build_plan(read, topology, train_settings)
     infer = build_plan(read, topology, batch_settings(cfg, topology, step, inference=True))

@@ -102,6 +102,11 @@ class CharTokenizer:
             raise RuntimeError(f"char tokenizer table has {len(self._id_to_token)} entries, expected {self.vocab_size}")
         self._special_ids = frozenset(range(_FIRST_CHAR_ID)) | frozenset(
             range(_FIRST_CHAR_ID + len(_CHARS), _VOCAB_SIZE))
+        # what decode writes for each id, with specials kept / dropped (unk is always U+FFFD)
+        shown = ["\ufffd" if i == self.unk_token_id else t for i, t in enumerate(self._id_to_token)]
+        self._decode_tables = {False: shown,
+                               True: ["\ufffd" if i == self.unk_token_id else ("" if i in self._special_ids else t)
+                                      for i, t in enumerate(self._id_to_token)]}
 
     # ----------------------------------------------------------------------------------------------- basic
     def __repr__(self) -> str:
@@ -136,6 +141,9 @@ class CharTokenizer:
     def _check_ids(self, ids: Iterable[Any]) -> list[int]:
         if hasattr(ids, "tolist"):  # torch tensor / numpy array
             ids = ids.tolist()
+        ids = ids if type(ids) is list else list(ids)
+        if set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
+            return ids  # the common case in one C-level pass; the loop below names the first bad id
         out = []
         for pos, i in enumerate(ids):
             if isinstance(i, bool) or not isinstance(i, int):
@@ -152,17 +160,7 @@ class CharTokenizer:
         """
         if skip_special_tokens is not None:
             skip_special = bool(skip_special_tokens)
-        table, specials, unk = self._id_to_token, self._special_ids, self.unk_token_id
-        parts = []
-        for i in self._check_ids(ids):
-            if i == unk:
-                parts.append("\ufffd")
-            elif i in specials:
-                if not skip_special:
-                    parts.append(table[i])
-            else:
-                parts.append(table[i])
-        return "".join(parts)
+        return "".join(map(self._decode_tables[bool(skip_special)].__getitem__, self._check_ids(ids)))
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """The token string of each id (specials as ``<|name|>``)."""
@@ -398,8 +396,13 @@ def decode_response(tokenizer: Any, ids: Iterable[int], stop_ids: Iterable[int] 
     """
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
-    ids = [int(i) for i in ids]
-    stops = stop_token_ids(tokenizer) if stop_ids is None else frozenset(int(i) for i in stop_ids)
+    ids = ids if type(ids) is list and set(map(type, ids)) <= {int} else [int(i) for i in ids]
+    if stop_ids is None:
+        stops = stop_token_ids(tokenizer)
+    elif isinstance(stop_ids, (set, frozenset)) and set(map(type, stop_ids)) <= {int}:
+        stops = stop_ids
+    else:
+        stops = frozenset(int(i) for i in stop_ids)
     if ids and ids[-1] in stops:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special=False)
