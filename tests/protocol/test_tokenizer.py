@@ -220,3 +220,15 @@ def test_char_tokenizer_in_hugging_face_form_chat_template(char_as_hf):
     assert (char_as_hf.pad_token_id, char_as_hf.bos_token_id, char_as_hf.unk_token_id) == (0, 1, 3)
     with pytest.raises(Exception, match="unknown role bot"):
         char_as_hf.apply_chat_template([{"role": "bot", "content": "x"}], tokenize=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, CharTokenizer().vocab_size - 1), max_size=40), skip=st.booleans())
+def test_char_decode_is_the_per_id_rule(ids, skip):
+    """decode = each id's token, U+FFFD for unk, specials dropped when skipped (the one-pass table path)."""
+    tok = CharTokenizer()
+    tokens = tok.convert_ids_to_tokens(ids)
+    want = "".join("\ufffd" if i == tok.unk_token_id else ("" if skip and i in tok.special_token_ids else t)
+                   for i, t in zip(ids, tokens))
+    assert tok.decode(ids, skip_special=skip) == want
+    assert tok.decode(torch.tensor(ids, dtype=torch.int64), skip_special=skip) == want
