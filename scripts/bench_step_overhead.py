@@ -17,7 +17,6 @@ Prints per stage: ms per 1k trajectories at each size, and the growth ratio of t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import math

@@ -27,6 +27,7 @@ __all__ = [
     "jagged_rows",
     "split_rows",
     "per_key_fields",
+    "batch_fields",
     "single_key_fields",
     "assemble_field",
     "assemble_batch",
@@ -94,10 +95,11 @@ def split_rows(name: str, value: Any, n: int) -> list[torch.Tensor]:
     return [own_copy(r) for r in rows]
 
 
-def per_key_fields(fields: Any, n: int) -> dict[str, list[torch.Tensor]]:
-    """Turn the ``fields`` of a batch put (TensorDict or mapping, dim 0 = keys) into field -> per-key tensors."""
+def batch_fields(fields: Any, n: int) -> list[tuple[str, Any]]:
+    """The ``(name, value)`` pairs of the ``fields`` of a batch put of ``n`` keys (TensorDict or mapping), checked:
+    str names, no nested TensorDict, a TensorDict's batch dim equal to ``n``."""
     if fields is None:
-        return {}
+        return []
     if isinstance(fields, TensorDictBase):
         if len(fields.batch_size) == 0 or fields.batch_size[0] != n:
             raise FieldShapeError(f"fields: TensorDict batch_size {list(fields.batch_size)} does not match "
@@ -113,12 +115,15 @@ def per_key_fields(fields: Any, n: int) -> dict[str, list[torch.Tensor]]:
         items = list(fields.items())
     else:
         raise TypeError(f"fields must be a TensorDict or a dict of tensors, got {type(fields).__name__}")
-    out: dict[str, list[torch.Tensor]] = {}
-    for name, value in items:
+    for name, _ in items:
         if not isinstance(name, str) or not name:
             raise TypeError(f"fields: names must be non-empty str, got {name!r}")
-        out[name] = split_rows(name, value, n)
-    return out
+    return items
+
+
+def per_key_fields(fields: Any, n: int) -> dict[str, list[torch.Tensor]]:
+    """Turn the ``fields`` of a batch put (TensorDict or mapping, dim 0 = keys) into field -> per-key tensors."""
+    return {name: split_rows(name, value, n) for name, value in batch_fields(fields, n)}
 
 
 def single_key_fields(fields: Any) -> dict[str, torch.Tensor]:

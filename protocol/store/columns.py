@@ -12,15 +12,13 @@ still in use into a smaller buffer, which the store does once half of a column's
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
-
 from protocol.batch.nested import nested_from_values
-from .batching import assemble_field, own_copy as _own
+from .batching import assemble_field, batch_fields, own_copy as _own
 from .errors import FieldShapeError, preview
 
 __all__ = ["Column", "columns_of_put", "gather_field"]
@@ -160,30 +158,7 @@ def _field_column(name: str, value: Any, keys: Sequence[str]) -> list[tuple[Colu
 
 def columns_of_put(fields: Any, keys: Sequence[str]) -> dict[str, list[tuple[Column, int]]]:
     """The ``fields`` of a batch put (TensorDict or mapping, dim 0 = keys) as field -> each key's (column, row)."""
-    if fields is None:
-        return {}
-    n = len(keys)
-    if isinstance(fields, TensorDictBase):
-        if len(fields.batch_size) == 0 or fields.batch_size[0] != n:
-            raise FieldShapeError(f"fields: TensorDict batch_size {list(fields.batch_size)} does not match "
-                                  f"{n} keys (dim 0 must equal len(keys))")
-        items = []
-        for name in fields.keys():
-            value = fields.get(name)
-            if isinstance(value, TensorDictBase):
-                raise TypeError(f"fields: nested TensorDict under {name!r} is not supported; flatten it "
-                                f"(e.g. td.flatten_keys('.'))")
-            items.append((name, value))
-    elif isinstance(fields, Mapping):
-        items = list(fields.items())
-    else:
-        raise TypeError(f"fields must be a TensorDict or a dict of tensors, got {type(fields).__name__}")
-    out: dict[str, list[tuple[Column, int]]] = {}
-    for name, value in items:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"fields: names must be non-empty str, got {name!r}")
-        out[name] = _field_column(name, value, keys)
-    return out
+    return {name: _field_column(name, value, keys) for name, value in batch_fields(fields, len(keys))}
 
 
 def _runs(refs: Sequence[tuple[Column, int]]) -> list[tuple[Column, int, int]]:
