@@ -43,7 +43,7 @@ def _unpack(field: str, keys: list[str], flat: torch.Tensor, offsets: torch.Tens
     rows = flat.shape[0] if offsets is None else offsets.numel() - 1
     if rows != len(keys):
         raise DataPlaneError(f"field {field!r}: a peer sent {rows} values for {len(keys)} keys")
-    return Column(flat, None if offsets is None else offsets.tolist(), keys)
+    return Column(field, flat, None if offsets is None else offsets.tolist(), keys)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -177,7 +177,7 @@ class ShardedStore(StepStore):
         if not keys:
             return TensorDict({}, batch_size=[0])
         # the sender's key order is known here (replicated locations), so only tensors travelled
-        refs: dict[str, list] = {f: [] for f in fields}
+        row_of: dict[str, dict] = {f: {} for f in fields}
         jagged = dict.fromkeys(fields, False)
         for src, held in sorted(self._holders(partition_id, keys, fields).items()):
             payload = received[src]
@@ -187,11 +187,8 @@ class ShardedStore(StepStore):
                 flat, offsets = payload[f]
                 jagged[f] |= offsets is not None or flat.dim() > 1  # anything with a length comes back jagged
                 col = _unpack(f, ks, flat, offsets)
-                refs[f].extend(zip(ks, ((col, i) for i in range(len(ks)))))
-        out = {}
-        for f in fields:
-            row_of = dict(refs[f])
-            out[f] = gather_field(f, [row_of[k] for k in keys], jagged[f])
+                row_of[f].update((k, (col, i)) for i, k in enumerate(ks))
+        out = {f: gather_field(f, [row_of[f][k] for k in keys], jagged[f]) for f in fields}
         return TensorDict(out, batch_size=[len(keys)])
 
     def _holders(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]

@@ -13,7 +13,6 @@ boundary. Objects alive when the run starts (modules, the model) are frozen out 
 from __future__ import annotations
 
 import gc
-import time
 
 __all__ = ["StepGC"]
 
@@ -36,13 +35,12 @@ class StepGC:
         gc.freeze()
         gc.disable()
 
-    def step_done(self, step: int) -> float:
-        """After step ``step`` (0-based): collect if it is due; returns the seconds spent (0.0 when not due)."""
+    def step_done(self, step: int) -> bool:
+        """After step ``step`` (0-based): collect if it is due (the trainer times it as a stage); True if it did."""
         if not self.interval or self._was_enabled is None or (step + 1) % self.interval:
-            return 0.0
-        t0 = time.perf_counter()
+            return False
         gc.collect()
-        return time.perf_counter() - t0
+        return True
 
     def stop(self) -> None:
         """Give the process its collector back as it was (the frozen objects are collectable again)."""

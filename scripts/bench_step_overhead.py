@@ -68,8 +68,8 @@ class SyntheticRollout:
     async def agenerate(self, prompt_ids, sampling_params=None):
         i = self._next
         self._next = (i + 1) % self.POOL
-        n, start = self._lengths[i], i
-        return self._ids[start:start + n], self._logprobs[start:start + n]
+        end = i + self._lengths[i]
+        return self._ids[i:end], self._logprobs[i:end]
 
 
 def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int = 1):

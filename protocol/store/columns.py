@@ -27,9 +27,10 @@ __all__ = ["Column", "columns_of_put", "gather_field"]
 class Column:
     """One field of one put: the store's own buffer and the key of each row (``keys[i]`` owns row ``i``)."""
 
-    __slots__ = ("values", "offsets", "keys", "live", "live_bytes", "unit_bytes", "_array")
+    __slots__ = ("field", "values", "offsets", "keys", "live", "live_bytes", "unit_bytes", "_array")
 
-    def __init__(self, values: torch.Tensor, offsets: list[int] | None, keys: Sequence[str]):
+    def __init__(self, field: str, values: torch.Tensor, offsets: list[int] | None, keys: Sequence[str]):
+        self.field = field
         self.values = values
         self.offsets = offsets  # ragged rows: row i is values[offsets[i]:offsets[i + 1]]; None: row i is values[i]
         self.keys = list(keys)
@@ -60,21 +61,23 @@ class Column:
             return self.values[i]
         return self.values[self.offsets[i]:self.offsets[i + 1]]
 
-    def row_nbytes(self, i: int) -> int:
-        if self.offsets is None:
-            return self.unit_bytes
-        return (self.offsets[i + 1] - self.offsets[i]) * self.unit_bytes
+    def drop(self, i: int) -> int:
+        """Row ``i`` is no longer referred to: count it out of ``live`` / ``live_bytes``; returns its bytes."""
+        size = self.unit_bytes if self.offsets is None else (self.offsets[i + 1] - self.offsets[i]) * self.unit_bytes
+        self.live -= 1
+        self.live_bytes -= size
+        return size
 
     def take(self, rows: Sequence[int]) -> "Column":
         """A new column (own buffer) of ``rows``, in that order."""
         keys = [self.keys[i] for i in rows]
         idx = np.asarray(rows, dtype=np.int64)
         if self.offsets is None:
-            return Column(self.values[torch.from_numpy(idx)], None, keys)  # indexing copies
+            return Column(self.field, self.values[torch.from_numpy(idx)], None, keys)  # indexing copies
         offsets = np.asarray(self.offsets, dtype=np.int64)
         lengths = offsets[idx + 1] - offsets[idx]
         token = _ranges(offsets[idx], lengths)
-        return Column(self.values[torch.from_numpy(token)], _offsets(lengths), keys)
+        return Column(self.field, self.values[torch.from_numpy(token)], _offsets(lengths), keys)
 
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -117,12 +120,12 @@ def _list_column(name: str, rows: list[torch.Tensor], keys: Sequence[str]) -> li
         for s in shapes:
             offsets.append(offsets[-1] + s[0])
         values = torch.cat(rows, 0).detach()
-        col = Column(values if values.is_cpu else values.to("cpu"), offsets, keys)
+        col = Column(name, values if values.is_cpu else values.to("cpu"), offsets, keys)
     elif uniform and len(set(shapes)) == 1:
         values = torch.stack(rows).detach()
-        col = Column(values if values.is_cpu else values.to("cpu"), None, keys)
+        col = Column(name, values if values.is_cpu else values.to("cpu"), None, keys)
     else:  # values that could never be batched together still go in, each in a column of its own
-        return [(Column(_own(r).unsqueeze(0), None, [k]), 0) for r, k in zip(rows, keys)]
+        return [(Column(name, _own(r).unsqueeze(0), None, [k]), 0) for r, k in zip(rows, keys)]
     return [(col, i) for i in range(len(rows))]
 
 
@@ -137,7 +140,7 @@ def _field_column(name: str, value: Any, keys: Sequence[str]) -> list[tuple[Colu
             if len(offsets) - 1 != n:
                 raise FieldShapeError(f"field {name!r}: batch dim 0 has {len(offsets) - 1} entries, expected {n} "
                                       f"(one per key)")
-            col = Column(_own(value.values()), offsets, keys)
+            col = Column(name, _own(value.values()), offsets, keys)
             return [(col, i) for i in range(n)]
         if value.is_nested:  # strided layout: components may differ in any dim
             return _field_column(name, list(value.unbind(0)), keys)
@@ -146,7 +149,7 @@ def _field_column(name: str, value: Any, keys: Sequence[str]) -> list[tuple[Colu
         if value.shape[0] != n:
             raise FieldShapeError(f"field {name!r}: batch dim 0 has {value.shape[0]} entries, expected {n} "
                                   f"(one per key)")
-        col = Column(_own(value), None, keys)
+        col = Column(name, _own(value), None, keys)
         return [(col, i) for i in range(n)]
     if isinstance(value, (list, tuple)):
         if len(value) != n:
@@ -215,15 +218,18 @@ def _rows_of(refs: Sequence[tuple[Column, int]], trail: torch.Size | None) -> tu
 
 def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = False) -> torch.Tensor:
     """Join the rows ``refs`` (in order) into one batch field, by the rule of ``assemble_field`` (a new tensor)."""
+    def per_key() -> torch.Tensor:  # rows no single join covers: assemble_field decides, or names the problem
+        return assemble_field(name, [c.row(i) for c, i in refs], jagged)
+
     cols = list({id(c): c for c, _ in refs}.values())
     if not cols or len({c.values.dtype for c in cols}) != 1:
-        return assemble_field(name, [c.row(i) for c, i in refs], jagged)  # it names the problem
+        return per_key()
     n = len(refs)
     dense = [c for c in cols if c.offsets is None]
     shape = cols[0].values.shape[1:]
     if len(dense) == len(cols) and all(c.values.shape[1:] == shape for c in cols):  # every row has one shape
         if jagged and len(shape) == 0:
-            return assemble_field(name, [c.row(i) for c, i in refs], jagged)  # 0-d rows cannot be jagged
+            return per_key()  # 0-d rows cannot be jagged
         values, _ = _rows_of(refs, None)
         if not jagged:
             return values.reshape(n, *shape)
@@ -231,7 +237,7 @@ def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = F
     # rows of ndim >= 1 that share their trailing dims: join tokens, then decide dense or jagged
     rest = {c.values.shape[1:] if c.offsets is not None else c.values.shape[2:] for c in cols}
     if len(rest) != 1 or any(c.values.dim() < 2 for c in dense):
-        return assemble_field(name, [c.row(i) for c, i in refs], jagged)
+        return per_key()
     (trail,) = rest
     values, lengths = _rows_of(refs, trail)
     if not jagged and min(lengths) == max(lengths):

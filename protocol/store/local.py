@@ -145,10 +145,7 @@ class LocalStore(KVStore):
     def _drop_row(self, ref: tuple[Column, int], released: dict[int, Column]) -> None:
         """A row no key refers to any more: its bytes leave the count; the column is settled by :meth:`_settle`."""
         col, i = ref
-        size = col.row_nbytes(i)
-        self._bytes -= size
-        col.live_bytes -= size
-        col.live -= 1
+        self._bytes -= col.drop(i)
         released[id(col)] = col
 
     def _settle(self, released: dict[int, Column], part: dict[str, _Entry]) -> None:
@@ -160,21 +157,17 @@ class LocalStore(KVStore):
                 self._compact(col, part)
 
     def _compact(self, col: Column, part: dict[str, _Entry]) -> None:
-        name = None
+        """Copy the rows of ``col`` that keys still refer to into a new column and point those keys at it."""
         rows, owners = [], []
         for i, key in enumerate(col.keys):
             entry = part.get(key)
-            if entry is None:
-                continue
-            for f, ref in entry.fields.items():
-                if ref[0] is col and ref[1] == i:
-                    name = f
-                    rows.append(i)
-                    owners.append(entry)
-                    break
+            ref = entry.fields.get(col.field) if entry is not None else None
+            if ref is not None and ref[0] is col and ref[1] == i:
+                rows.append(i)
+                owners.append(entry)
         new = col.take(rows)
         for j, entry in enumerate(owners):
-            entry.fields[name] = (new, j)
+            entry.fields[col.field] = (new, j)
         self._held += new.nbytes - col.nbytes
 
     # ---- reads --------------------------------------------------------------------------------------
@@ -236,19 +229,12 @@ class LocalStore(KVStore):
             part = self._parts.get(partition_id, {})
             dropped = 0
             released: dict[int, Column] = {}
-            freed = 0
             for k in keys:
                 entry = part.pop(k, None)
                 if entry is not None:
                     dropped += 1
-                    for col, i in entry.fields.values():  # _drop_row, inlined: this loop runs per (key, field)
-                        size = col.unit_bytes if col.offsets is None else \
-                            (col.offsets[i + 1] - col.offsets[i]) * col.unit_bytes
-                        freed += size
-                        col.live_bytes -= size
-                        col.live -= 1
-                        released[id(col)] = col
-            self._bytes -= freed
+                    for ref in entry.fields.values():
+                        self._drop_row(ref, released)
             self._settle(released, part)
             if not part:
                 self._parts.pop(partition_id, None)

@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Callable, Union
 
 import torch
 
-from protocol.rollout.agent_loop.output import AgentLoopOutput, only_types
+from protocol.rollout.agent_loop.output import AgentLoopOutput, non_ints, only_types
 from protocol.registry import Registry
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
 GenerateFn = Callable[[list, dict], Union[tuple, Awaitable[tuple]]]
 
 
-_INT, _FLOAT = frozenset({int}), frozenset({float})
+_FLOAT = frozenset({float})
 
 
 class GenerateError(ValueError):
@@ -40,10 +40,9 @@ def _ids_list(value: Any, what: str) -> list[int]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise GenerateError(f"{what} must be a list of ints or a 1-D tensor, got {type(value).__name__}")
     out = list(value)
-    if not only_types(out, _INT):
-        bad = [v for v in out if isinstance(v, bool) or not isinstance(v, int)]
-        if bad:
-            raise GenerateError(f"{what} must hold ints, found {bad[:3]!r}")
+    bad = non_ints(out)
+    if bad:
+        raise GenerateError(f"{what} must hold ints, found {bad[:3]!r}")
     return out
 
 

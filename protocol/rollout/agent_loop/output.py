@@ -26,6 +26,13 @@ def only_types(values: list, allowed: frozenset) -> bool:
     return set(map(type, values)) <= allowed
 
 
+def non_ints(values: list) -> list:
+    """The items of ``values`` that are not ints (bools are not), most often none, found in one pass."""
+    if only_types(values, _INT):
+        return []
+    return [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
+
+
 def _as_ids(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
@@ -37,10 +44,10 @@ def _as_ids(name: str, value: Any) -> torch.Tensor:
         raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be a list of ints or a 1-D tensor, "
                                    f"got {type(value).__name__}")
     value = value if type(value) is list else list(value)
+    bad = non_ints(value)
+    if bad:
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold ints, found {bad[:3]!r}")
     if not only_types(value, _INT):
-        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int)]
-        if bad:
-            raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold ints, found {bad[:3]!r}")
         value = [int(v) for v in value]  # int subclasses (IntEnum) as plain ints
     try:  # through numpy: a few times cheaper than torch.tensor for the short lists of one trajectory
         return torch.from_numpy(np.array(value, dtype=np.int64))
