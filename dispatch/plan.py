@@ -266,7 +266,45 @@ def _sums(values: np.ndarray, parts: Sequence[Sequence[int]]) -> np.ndarray:
     return np.bincount(part_of, weights=values[flat].astype(np.float64), minlength=len(parts))
 
 
+def _read_tags_fast(tags: list, keys: Sequence[str] | None, need_groups: bool):
+    """:func:`_read_tags` for well-formed tags (plain dicts, int lengths that add up, bool ``is_padding``, str keys)
+    by columns, in a few C-level passes; None where anything looks off, so the per-tag reader names the problem."""
+    if keys is None or len(keys) != len(tags) or not set(map(type, tags)) <= {dict}:
+        return None
+    columns = [[t.get(name) for t in tags] for name in ("seq_len", "prompt_len", "response_len")]
+    flags = [t.get("is_padding", False) for t in tags]
+    if not all(set(map(type, c)) <= {int} for c in columns) or not set(map(type, flags)) <= {bool}:
+        return None
+    try:
+        seq, prompt, response = (np.array(c, dtype=np.int64) for c in columns)
+    except OverflowError:
+        return None
+    if n := len(tags):
+        if seq.min() < 1 or prompt.min() < 0 or response.min() < 0 or not np.array_equal(prompt + response, seq):
+            return None
+    pad = np.array(flags, dtype=bool).reshape(n)
+    names = list(keys)
+    if not set(map(type, names)) <= {str}:
+        return None
+    groups = [t.get("uid") for t in tags]
+    if need_groups:
+        for i in np.flatnonzero(~pad).tolist():
+            if groups[i] is None:
+                try:
+                    groups[i] = group_of(names[i])
+                except KeyFormatError:
+                    return None
+    return seq, pad, names, groups
+
+
 def _read_tags(tags: Sequence[Mapping[str, Any]], keys: Sequence[str] | None, need_groups: bool):
+    tags = tags if type(tags) is list else list(tags)
+    fast = _read_tags_fast(tags, keys, need_groups)
+    return fast if fast is not None else _read_tags_each(tags, keys, need_groups)
+
+
+def _read_tags_each(tags: Sequence[Mapping[str, Any]], keys: Sequence[str] | None, need_groups: bool):
+    """Tag by tag: the reader that names the first bad tag (and reads the rare forms the fast path leaves)."""
     if keys is not None and len(keys) != len(tags):
         raise PlanError(f"build_plan got {len(keys)} keys for {len(tags)} tags; pass one key per tag")
     n = len(tags)

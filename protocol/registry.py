@@ -21,6 +21,9 @@ class Registry(Generic[T]):
     (2.0, ['mean'])
     """
 
+    #: bumped by every change of any registry, so a lookup cached on it knows when to look again
+    generation = 0
+
     def __init__(self, what: str, *, key: str | None = None, error: type[Exception] = ValueError):
         self.what, self.key, self.error = what, key, error
         self._items: dict[str, T] = {}
@@ -37,7 +40,9 @@ class Registry(Generic[T]):
             if taken is not None and taken is not obj:
                 raise self.error(f"{self.what} {name!r} is already registered "
                                  f"({getattr(taken, '__name__', type(taken).__name__)})")
-            self._items[name] = obj
+            if taken is None:
+                self._items[name] = obj
+                Registry.generation += 1
             return obj
 
         return deco
@@ -53,6 +58,7 @@ class Registry(Generic[T]):
         """Remove ``name`` (plugins and tests that register temporary components); returns what it held."""
         if name not in self._items:
             raise self.error(f"{self.what} {name!r} is not registered; known: {self.names()}")
+        Registry.generation += 1
         return self._items.pop(name)
 
     def names(self) -> list[str]:

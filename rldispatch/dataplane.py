@@ -8,14 +8,17 @@ rank that asked — never through one central rank.
 from __future__ import annotations
 
 import io
+import itertools
 from collections import defaultdict
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from protocol.store import KVStore, StepStore
+from protocol.batch.nested import nested_from_values
 from protocol.store.columns import Column, gather_field
 
 __all__ = ["ShardedStore", "DataPlaneError"]
@@ -46,6 +49,21 @@ def _unpack(field: str, keys: list[str], flat: torch.Tensor, offsets: torch.Tens
     return Column(field, flat, None if offsets is None else offsets.tolist(), keys)
 
 
+def _join(field: str, keys: list[str], cols: list[Column]) -> torch.Tensor:
+    """The rows of ``keys`` (in order) from the columns the holders sent; anything with a length comes back
+    jagged, whichever rank sent it and however long its rows happen to be."""
+    jagged = any(c.offsets is not None or c.values.dim() > 1 for c in cols)
+    if len(cols) == 1:  # one holder sent every key, in this order: its buffer is the field (no second copy)
+        (col,) = cols
+        if not jagged:
+            return col.values
+        offsets = col.offsets if col.offsets is not None else [i * col.values.shape[1] for i in range(len(keys) + 1)]
+        values = col.values if col.offsets is not None else col.values.reshape(-1, *col.values.shape[2:])
+        return nested_from_values(values, torch.tensor(offsets, dtype=torch.int64))
+    row_of = {k: (c, i) for c in cols for i, k in enumerate(c.keys)}
+    return gather_field(field, [row_of[k] for k in keys], jagged)
+
+
 def _dumps(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -70,7 +88,8 @@ class ShardedStore(StepStore):
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self._tags: dict[str, dict[str, dict]] = defaultdict(dict)
-        self._where: dict[tuple[str, str], dict[str, int]] = {}
+        # partition -> field -> key -> the rank holding it (per field, so a put records its keys in one update)
+        self._where: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
         self._pending: list[tuple[str, list[str], list[dict] | None, list[str]]] = []
         self.bytes_received = 0
         self.bytes_sent = 0
@@ -107,10 +126,13 @@ class ShardedStore(StepStore):
             (p, [k for k in ks if not (p == partition_id and k in gone)],
              None if ts is None else [t for k, t in zip(ks, ts) if not (p == partition_id and k in gone)], names)
             for p, ks, ts, names in self._pending]
-        known = 0
-        for k in keys:
-            known += tags.pop(k, None) is not None
-            self._where.pop((partition_id, k), None)
+        known = len(gone.intersection(tags))
+        for table in (tags, *self._where.get(partition_id, {}).values()):
+            if len(gone) >= len(table) and gone.issuperset(table):  # the usual clear: a whole step at once
+                table.clear()
+            else:
+                for k in gone:
+                    table.pop(k, None)
         return known
 
     def tags_of(self, keys: Sequence[str], partition_id: str) -> list[dict]:
@@ -124,10 +146,20 @@ class ShardedStore(StepStore):
 
     def location(self, key: str, field: str, partition_id: str) -> int:
         try:
-            return self._where[(partition_id, key)][field]
+            return self._where[partition_id][field][key]
         except KeyError:
             raise DataPlaneError(f"field {field!r} of key {key!r} (partition {partition_id!r}) is held by no rank") \
                 from None
+
+    def _ranks_of(self, keys: Sequence[str], partition_id: str, field: str) -> list[int]:
+        """The rank holding ``field`` of each of ``keys`` (one pass; a key or field no rank holds is named)."""
+        held = self._where.get(partition_id, {}).get(field, {})
+        try:
+            return [held[k] for k in keys]
+        except KeyError:
+            for k in keys:
+                self.location(k, field, partition_id)
+            raise
 
     def num_keys(self) -> int:
         """Replicated tags plus values still held in this rank's local store (0 once a step is cleared)."""
@@ -135,7 +167,8 @@ class ShardedStore(StepStore):
 
     def local_keys(self, keys: Sequence[str], partition_id: str, field: str) -> list[str]:
         """Those of ``keys`` whose ``field`` this rank holds, in order."""
-        return [k for k in keys if self.location(k, field, partition_id) == self.rank]
+        me = self.rank
+        return [k for k, r in zip(keys, self._ranks_of(keys, partition_id, field)) if r == me]
 
     def read_local(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
         """``fields`` of keys this rank holds, straight from its local store (no communication)."""
@@ -158,9 +191,7 @@ class ShardedStore(StepStore):
     def fetch(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
         """Collective: every rank gets the ``fields`` of its own ``keys`` (possibly none), in the order asked."""
         keys, fields = list(keys), list(fields)
-        for key in keys:
-            for f in fields:
-                self.location(key, f, partition_id)  # fail before the collective names the culprit
+        held_here = self._holders(partition_id, keys, fields)  # fails before the collective, naming the culprit
         requests: list[Any] = [None] * self.world
         mine = (partition_id, keys, fields)
         if self.world > 1:
@@ -169,7 +200,7 @@ class ShardedStore(StepStore):
             requests = [mine]
         outgoing: list[dict | None] = [None] * self.world
         for dst, (part, want, names) in enumerate(requests):
-            by_field = self._holders(part, want, names).get(self.rank)
+            by_field = (held_here if dst == self.rank else self._holders(part, want, names)).get(self.rank)
             if by_field:
                 outgoing[dst] = {f: _pack(self.local.kv_batch_get(ks, part, select_fields=[f]).get(f))
                                  for f, ks in by_field.items()}
@@ -177,43 +208,52 @@ class ShardedStore(StepStore):
         if not keys:
             return TensorDict({}, batch_size=[0])
         # the sender's key order is known here (replicated locations), so only tensors travelled
-        row_of: dict[str, dict] = {f: {} for f in fields}
-        jagged = dict.fromkeys(fields, False)
-        for src, held in sorted(self._holders(partition_id, keys, fields).items()):
+        parts: dict[str, list[Column]] = {f: [] for f in fields}
+        for src, held in sorted(held_here.items()):
             payload = received[src]
             for f, ks in held.items():
                 if payload is None or f not in payload:
                     raise DataPlaneError(f"rank {src} sent nothing for field {f!r} of {len(ks)} key(s) it holds")
-                flat, offsets = payload[f]
-                jagged[f] |= offsets is not None or flat.dim() > 1  # anything with a length comes back jagged
-                col = _unpack(f, ks, flat, offsets)
-                row_of[f].update((k, (col, i)) for i, k in enumerate(ks))
-        out = {f: gather_field(f, [row_of[f][k] for k in keys], jagged[f]) for f in fields}
-        return TensorDict(out, batch_size=[len(keys)])
+                parts[f].append(_unpack(f, ks, *payload[f]))
+        return TensorDict({f: _join(f, keys, cols) for f, cols in parts.items()}, batch_size=[len(keys)])
 
     def _holders(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]
                  ) -> dict[int, dict[str, list[str]]]:
         """Rank -> field -> those of ``keys`` whose value of the field that rank holds, in the order of ``keys``."""
         out: dict[int, dict[str, list[str]]] = {}
-        for key in keys:
-            loc = self._where[(partition_id, key)]
-            for f in fields:
-                out.setdefault(loc[f], {}).setdefault(f, []).append(key)
+        for f in fields:
+            ranks = self._ranks_of(keys, partition_id, f)
+            held = set(ranks)
+            if len(held) == 1:  # the common case: one rank holds the field of every key
+                out.setdefault(ranks[0], {})[f] = list(keys)
+                continue
+            at = np.array(ranks)
+            for r in sorted(held):
+                out.setdefault(r, {})[f] = list(itertools.compress(keys, (at == r).tolist()))
         return out
 
     # ---- internals --------------------------------------------------------------------------------------
     def _apply(self, src: int, update: tuple[str, list[str], list[dict] | None, list[str]]) -> None:
         partition_id, keys, tags, names = update
         view = self._tags[partition_id]
-        for i, key in enumerate(keys):
-            if tags is not None:
-                view.setdefault(key, {}).update(tags[i])
-            else:
+        if tags is None:
+            for key in keys:
                 view.setdefault(key, {})
-            if names:
-                loc = self._where.setdefault((partition_id, key), {})
-                for f in names:
-                    loc[f] = src
+        else:
+            for key, tag in zip(keys, tags):
+                known = view.get(key)
+                if known is None:
+                    view[key] = dict(tag)
+                else:
+                    known.update(tag)
+        if names:
+            where, at = self._where[partition_id], dict.fromkeys(keys, src)
+            for f in names:
+                held = where.get(f)
+                if held is None:
+                    where[f] = dict(at)
+                else:
+                    held.update(at)
 
     def _exchange(self, outgoing: list[dict | None]) -> list[dict | None]:
         """Send ``outgoing[dst]`` to each rank; return what each rank sent here (index = source)."""

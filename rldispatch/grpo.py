@@ -378,20 +378,22 @@ class GRPOTrainer:
                 self.cfg.rollout.n if partition == TRAIN else 1, loop, step, partition, sampling, row_kwargs=kwargs))
         self.store.sync()
 
-    def _score(self, keys: list[str], partition: str, rows_by_uid: dict[str, dict]) -> RewardResult:
+    def _score(self, keys: list[str], partition: str, rows_by_uid: dict[str, dict],
+               pad: torch.Tensor | None = None) -> RewardResult:
         """Reward of this rank's own trajectories (scores and the scorers' extra values); writes ``rm_scores`` at
-        the last policy token."""
+        the last policy token. ``pad``: the keys' ``is_padding`` flags when the caller has them (else read)."""
         if not keys:
             return RewardResult(torch.zeros(0))
         td = self.store.read_local(keys, partition, ["responses", "response_mask"])
-        tags = self.store.tags_of(keys, partition)
+        padding = pad.tolist() if pad is not None else \
+            [bool(t.get("is_padding")) for t in self.store.tags_of(keys, partition)]
         responses, masks = jagged_rows(td["responses"]), jagged_rows(td["response_mask"])  # cut once each
         items = []
-        for key, tag, response, mask in zip(keys, tags, responses, masks):
+        for key, is_pad, response, mask in zip(keys, padding, responses, masks):
             row = rows_by_uid.get(uid_of(key), {})
             items.append(RewardInput(response_ids=response, data_source=row.get("data_source", ""),
                                      ground_truth=ground_truth_of(row), extra_info=row.get("extra_info"),
-                                     response_mask=mask, is_padding=bool(tag.get("is_padding")), key=key))
+                                     response_mask=mask, is_padding=is_pad, key=key))
         result = self.reward_manager(items)
         rm = compute_rm_scores(result.scores, td["response_mask"])
         self.store.kv_batch_put(keys, partition, TensorDict({"rm_scores": rm}, batch_size=[len(keys)]))
@@ -492,7 +494,7 @@ class GRPOTrainer:
         return full
 
     def _compute_reward(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        result = self._score(st.own, TRAIN, dict(zip(st.uids, st.rows)))
+        result = self._score(st.own, TRAIN, dict(zip(st.uids, st.rows)), st.own_pad)
         st.metrics.update(distributed_masked_stats(result.scores.double(), st.own_pad, "reward/score",
                                                    device=self.ctx.device))
         st.metrics.update(self._reward_extra_metrics(result, st.own_pad))

@@ -11,7 +11,9 @@ still in use into a smaller buffer, which the store does once half of a column's
 """
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,17 +29,21 @@ __all__ = ["Column", "columns_of_put", "gather_field"]
 class Column:
     """One field of one put: the store's own buffer and the key of each row (``keys[i]`` owns row ``i``)."""
 
-    __slots__ = ("field", "values", "offsets", "keys", "live", "live_bytes", "unit_bytes", "_array")
+    __slots__ = ("field", "values", "offsets", "keys", "live", "nbytes", "live_bytes", "unit_bytes", "_array",
+                 "_offsets_array")
 
     def __init__(self, field: str, values: torch.Tensor, offsets: list[int] | None, keys: Sequence[str]):
         self.field = field
-        self.values = values
+        self.values = values  # never written after construction
         self.offsets = offsets  # ragged rows: row i is values[offsets[i]:offsets[i + 1]]; None: row i is values[i]
-        self.keys = list(keys)
+        self.keys = keys if type(keys) is list else list(keys)
         self.live = len(self.keys)  # rows some key still refers to
-        self.live_bytes = self.nbytes  # and their bytes
-        self.unit_bytes = math.prod(values.shape[1:]) * values.element_size()  # a dense row, or one ragged step
+        size = values.element_size()
+        self.nbytes = values.numel() * size  # bytes of the whole buffer (live rows or not)
+        self.live_bytes = self.nbytes  # bytes of the live rows
+        self.unit_bytes = math.prod(values.shape[1:]) * size  # a dense row, or one ragged step
         self._array: np.ndarray | None = None
+        self._offsets_array: np.ndarray | None = None
 
     @property
     def array(self) -> np.ndarray:
@@ -51,9 +57,11 @@ class Column:
         return self._array
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the whole buffer (what the column holds, live rows or not)."""
-        return self.values.numel() * self.values.element_size()
+    def offsets_array(self) -> np.ndarray:
+        """``offsets`` as an int64 array (made once), for reads that take many rows at a time."""
+        if self._offsets_array is None:
+            self._offsets_array = np.asarray(self.offsets, dtype=np.int64)
+        return self._offsets_array
 
     def row(self, i: int) -> torch.Tensor:
         """Row ``i`` as a view of the buffer (callers copy before handing it out)."""
@@ -61,10 +69,20 @@ class Column:
             return self.values[i]
         return self.values[self.offsets[i]:self.offsets[i + 1]]
 
-    def drop(self, i: int) -> int:
-        """Row ``i`` is no longer referred to: count it out of ``live`` / ``live_bytes``; returns its bytes."""
-        size = self.unit_bytes if self.offsets is None else (self.offsets[i + 1] - self.offsets[i]) * self.unit_bytes
-        self.live -= 1
+    def drop(self, rows: Sequence[int]) -> int:
+        """Rows ``rows`` (distinct, each dropped once) are no longer referred to: count them out of ``live`` /
+        ``live_bytes``; returns their bytes."""
+        n = len(rows)
+        if self.offsets is None:
+            size = n * self.unit_bytes
+        elif n == len(self.keys):  # every row at once: the whole buffer
+            size = (self.offsets[-1] - self.offsets[0]) * self.unit_bytes
+        elif n == 1:
+            size = (self.offsets[rows[0] + 1] - self.offsets[rows[0]]) * self.unit_bytes
+        else:
+            off, idx = np.asarray(self.offsets, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+            size = int((off[idx + 1] - off[idx]).sum()) * self.unit_bytes
+        self.live -= n
         self.live_bytes -= size
         return size
 
@@ -106,31 +124,44 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + shift
 
 
-def _list_column(name: str, rows: list[torch.Tensor], keys: Sequence[str]) -> list[tuple[Column, int]]:
+#: what one put of a field gives: its columns (each once) and each key's ``(column, row)``
+Rows = tuple[list[Column], list[tuple[Column, int]]]
+
+
+def _all_rows(col: Column) -> Rows:
+    return [col], [(col, i) for i in range(len(col.keys))]
+
+
+def _list_column(name: str, rows: list[torch.Tensor], keys: list[str]) -> Rows:
     """Rows given one tensor per key: one ragged or dense column when they fit one, else one column per key."""
-    bad = [i for i, r in enumerate(rows) if not isinstance(r, torch.Tensor)]
-    if bad:
-        raise TypeError(f"field {name!r}: list items must be tensors; positions {preview(bad)} are not "
-                        f"(first is {type(rows[bad[0]]).__name__})")
+    if not set(map(type, rows)) <= _TENSOR:  # one pass; a subclass (Parameter) is looked at one by one
+        bad = [i for i, r in enumerate(rows) if not isinstance(r, torch.Tensor)]
+        if bad:
+            raise TypeError(f"field {name!r}: list items must be tensors; positions {preview(bad)} are not "
+                            f"(first is {type(rows[bad[0]]).__name__})")
     first = rows[0]
-    shapes = [r.shape for r in rows]
-    uniform = len({(r.dtype, r.device) for r in rows}) == 1
-    if uniform and first.dim() >= 1 and len({s[1:] for s in shapes}) == 1 and min(map(len, shapes)) >= 1:
-        offsets = [0]
-        for s in shapes:
-            offsets.append(offsets[-1] + s[0])
+    ndim = first.dim()
+    # one dtype, device and ndim, and (ndim > 1) the same trailing dims; checked in that order because reading
+    # a shape or a device makes a Python object per row
+    uniform = len({(r.dtype, r.dim()) for r in rows}) == 1 and \
+        (all(r.is_cpu for r in rows) or len({r.device for r in rows}) == 1)
+    if ndim >= 1 and uniform and (ndim == 1 or len({r.shape[1:] for r in rows}) == 1):
+        offsets = [0, *itertools.accumulate(r.shape[0] for r in rows)]
         values = torch.cat(rows, 0).detach()
-        col = Column(name, values if values.is_cpu else values.to("cpu"), offsets, keys)
-    elif uniform and len(set(shapes)) == 1:
+        return _all_rows(Column(name, values if values.is_cpu else values.to("cpu"), offsets, keys))
+    if uniform and len({r.shape for r in rows}) == 1:
         values = torch.stack(rows).detach()
-        col = Column(name, values if values.is_cpu else values.to("cpu"), None, keys)
-    else:  # values that could never be batched together still go in, each in a column of its own
-        return [(Column(name, _own(r).unsqueeze(0), None, [k]), 0) for r, k in zip(rows, keys)]
-    return [(col, i) for i in range(len(rows))]
+        return _all_rows(Column(name, values if values.is_cpu else values.to("cpu"), None, keys))
+    # values that could never be batched together still go in, each in a column of its own
+    cols = [Column(name, _own(r).unsqueeze(0), None, [k]) for r, k in zip(rows, keys)]
+    return cols, [(c, 0) for c in cols]
 
 
-def _field_column(name: str, value: Any, keys: Sequence[str]) -> list[tuple[Column, int]]:
-    """The ``(column, row)`` of each key for one batched field (dim 0 = keys), copied once."""
+_TENSOR = frozenset({torch.Tensor})
+
+
+def _field_column(name: str, value: Any, keys: list[str]) -> Rows:
+    """The columns and the ``(column, row)`` of each key for one batched field (dim 0 = keys), copied once."""
     n = len(keys)
     if isinstance(value, torch.Tensor):
         if value.is_nested and value.layout == torch.jagged:
@@ -140,8 +171,7 @@ def _field_column(name: str, value: Any, keys: Sequence[str]) -> list[tuple[Colu
             if len(offsets) - 1 != n:
                 raise FieldShapeError(f"field {name!r}: batch dim 0 has {len(offsets) - 1} entries, expected {n} "
                                       f"(one per key)")
-            col = Column(name, _own(value.values()), offsets, keys)
-            return [(col, i) for i in range(n)]
+            return _all_rows(Column(name, _own(value.values()), offsets, keys))
         if value.is_nested:  # strided layout: components may differ in any dim
             return _field_column(name, list(value.unbind(0)), keys)
         if value.dim() == 0:
@@ -149,18 +179,19 @@ def _field_column(name: str, value: Any, keys: Sequence[str]) -> list[tuple[Colu
         if value.shape[0] != n:
             raise FieldShapeError(f"field {name!r}: batch dim 0 has {value.shape[0]} entries, expected {n} "
                                   f"(one per key)")
-        col = Column(name, _own(value), None, keys)
-        return [(col, i) for i in range(n)]
+        return _all_rows(Column(name, _own(value), None, keys))
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise FieldShapeError(f"field {name!r}: batch dim 0 has {len(value)} entries, expected {n} (one per key)")
-        return _list_column(name, list(value), keys) if n else []
+        return _list_column(name, list(value), keys) if n else ([], [])
     raise TypeError(f"field {name!r}: expected a tensor (dense or jagged) or a list of tensors, "
                     f"got {type(value).__name__}")
 
 
-def columns_of_put(fields: Any, keys: Sequence[str]) -> dict[str, list[tuple[Column, int]]]:
-    """The ``fields`` of a batch put (TensorDict or mapping, dim 0 = keys) as field -> each key's (column, row)."""
+def columns_of_put(fields: Any, keys: Sequence[str]) -> dict[str, Rows]:
+    """The ``fields`` of a batch put (TensorDict or mapping, dim 0 = keys) as field -> its columns and each key's
+    ``(column, row)``."""
+    keys = list(keys)
     return {name: _field_column(name, value, keys) for name, value in batch_fields(fields, len(keys))}
 
 
@@ -180,39 +211,44 @@ def _runs(refs: Sequence[tuple[Column, int]]) -> list[tuple[Column, int, int]]:
     return runs
 
 
-#: a read of one column in this many runs or more takes its rows with one index instead of a slice per run
-_INDEX_RUNS = 16
+_COLUMN, _ROW = operator.itemgetter(0), operator.itemgetter(1)
 
 
-def _rows_of(refs: Sequence[tuple[Column, int]], trail: torch.Size | None) -> tuple[torch.Tensor, list[int]]:
+def _rows_of(refs: Sequence[tuple[Column, int]], cols: list[Column], trail: torch.Size | None
+             ) -> tuple[torch.Tensor, np.ndarray]:
     """The rows ``refs`` back to back along dim 0 (a new tensor) — dense rows as they are when ``trail`` is None,
     else as ``[len, *trail]`` tokens — and each row's length along dim 0 (only when ``trail`` is given)."""
-    runs = _runs(refs)
-    col = runs[0][0]
-    dtype = col.values.dtype
-    lengths: list[int] = []
-    if len(runs) >= _INDEX_RUNS and all(c is col for c, _, _ in runs):  # one column, rows scattered
-        idx = np.fromiter((i for _, i in refs), dtype=np.int64, count=len(refs))
+    dtype = cols[0].values.dtype
+    if len(cols) == 1:  # the common read: rows of one column, taken with one slice or one index
+        (col,) = cols
+        idx = np.array(list(map(_ROW, refs)), dtype=np.int64)
+        n = idx.size
+        whole = slice(int(idx[0]), int(idx[0]) + n) if idx[-1] - idx[0] == n - 1 and \
+            (n < 2 or bool((np.diff(idx) == 1).all())) else None
         if col.offsets is None:
-            rows = col.array[idx]
+            rows = col.array[whole].copy() if whole is not None else col.array[idx]  # a slice is a view: copy it
+            lengths = np.empty(0, dtype=np.int64)
             if trail is not None:
                 rows = rows.reshape(-1, *trail)
-                lengths = [col.values.shape[1]] * len(refs)
+                lengths = np.full(n, col.values.shape[1], dtype=np.int64)
             return _to_tensor(rows, dtype), lengths
-        off = np.asarray(col.offsets, dtype=np.int64)
-        lens = off[idx + 1] - off[idx]
-        return _to_tensor(col.array[_ranges(off[idx], lens)], dtype), lens.tolist()
-    pieces = []
-    for c, a, b in runs:
+        off = col.offsets_array
+        starts, lengths = off[idx], off[idx + 1] - off[idx]
+        if whole is not None:
+            return _to_tensor(col.array[off[whole.start]:off[whole.stop]].copy(), dtype), lengths
+        return _to_tensor(col.array[_ranges(starts, lengths)], dtype), lengths
+    pieces, lengths_of = [], []
+    for c, a, b in _runs(refs):
         if c.offsets is not None:
-            off = c.offsets
+            off = c.offsets_array
             pieces.append(c.array[off[a]:off[b]])
-            lengths.extend([off[i + 1] - off[i] for i in range(a, b)])
+            lengths_of.append(np.diff(off[a:b + 1]))
         elif trail is None:
             pieces.append(c.array[a:b])
         else:
             pieces.append(c.array[a:b].reshape(-1, *trail))
-            lengths.extend([c.values.shape[1]] * (b - a))
+            lengths_of.append(np.full(b - a, c.values.shape[1], dtype=np.int64))
+    lengths = np.concatenate(lengths_of) if lengths_of else np.empty(0, dtype=np.int64)
     return _to_tensor(np.concatenate(pieces, 0), dtype), lengths
 
 
@@ -221,16 +257,19 @@ def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = F
     def per_key() -> torch.Tensor:  # rows no single join covers: assemble_field decides, or names the problem
         return assemble_field(name, [c.row(i) for c, i in refs], jagged)
 
-    cols = list({id(c): c for c, _ in refs}.values())
-    if not cols or len({c.values.dtype for c in cols}) != 1:
-        return per_key()
     n = len(refs)
+    if not n:
+        return per_key()
+    of = list(map(_COLUMN, refs))  # C-level passes: a read may cover every key of a step
+    cols = [of[0]] if of.count(of[0]) == n else list({id(c): c for c in of}.values())
+    if len({c.values.dtype for c in cols}) != 1:
+        return per_key()
     dense = [c for c in cols if c.offsets is None]
     shape = cols[0].values.shape[1:]
     if len(dense) == len(cols) and all(c.values.shape[1:] == shape for c in cols):  # every row has one shape
         if jagged and len(shape) == 0:
             return per_key()  # 0-d rows cannot be jagged
-        values, _ = _rows_of(refs, None)
+        values, _ = _rows_of(refs, cols, None)
         if not jagged:
             return values.reshape(n, *shape)
         return nested_from_values(values.reshape(-1, *shape[1:]), torch.arange(n + 1, dtype=torch.int64) * shape[0])
@@ -239,9 +278,9 @@ def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = F
     if len(rest) != 1 or any(c.values.dim() < 2 for c in dense):
         return per_key()
     (trail,) = rest
-    values, lengths = _rows_of(refs, trail)
-    if not jagged and min(lengths) == max(lengths):
-        return values.reshape(n, lengths[0], *trail)
+    values, lengths = _rows_of(refs, cols, trail)
+    if not jagged and lengths.min() == lengths.max():
+        return values.reshape(n, int(lengths[0]), *trail)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return nested_from_values(values, torch.from_numpy(offsets))

@@ -20,14 +20,17 @@ Example::
 """
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
 
-from .meta import KVBatchMeta
+from .meta import KVBatchMeta, copy_tag
 from .base import (
     DEFAULT_MAX_CLEARED_MARKS,
     ClearedMarks,
@@ -45,12 +48,15 @@ from .errors import FieldOverwriteError, LateWriteError, StoreClosedError, previ
 __all__ = ["LocalStore"]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: ``None in entries`` must not call a Python __eq__ per entry
 class _Entry:
     """What one key holds: its tag and, per field, its row of a column."""
 
     tag: dict = field(default_factory=dict)
     fields: dict[str, tuple[Column, int]] = field(default_factory=dict)
+
+
+_FIELDS = operator.attrgetter("fields")
 
 
 class LocalStore(KVStore):
@@ -89,7 +95,7 @@ class LocalStore(KVStore):
                 raise LateWriteError(
                     f"{op}: refused to re-create {len(late)} cleared key(s) in partition {partition_id!r} "
                     f"(the key or its group was cleared by kv_clear): {preview(late)}; nothing was written")
-            conflicts, skips = self._plan_field_writes(part, keys, columns, overwrite)
+            conflicts, skips, holds = self._plan_field_writes(part, keys, columns, overwrite)
             if conflicts:
                 self._overwrites_refused += len(conflicts)
                 raise FieldOverwriteError(
@@ -105,52 +111,59 @@ class LocalStore(KVStore):
                     entry.tag.update(tags[i])
                 entries.append(entry)
                 out_tags.append(entry.tag)
-            released: dict[int, Column] = {}
-            for name, refs in columns.items():
-                for col in {id(c): c for c, _ in refs}.values():
+            unused: list[tuple[Column, int]] = []
+            fresh = not holds  # no key holds a field of this put yet: plain assignment
+            for name, (cols, refs) in columns.items():
+                for col in cols:
                     self._held += col.nbytes
                     self._bytes += col.nbytes
+                if fresh:
+                    for entry, ref in zip(entries, refs):
+                        entry.fields[name] = ref
+                    continue
                 for i, (entry, ref) in enumerate(zip(entries, refs)):
                     if (i, name) in skips:  # the same value is already there: the new row is not used
-                        self._drop_row(ref, released)
+                        unused.append(ref)
                         continue
                     old = entry.fields.get(name)
                     if old is not None:
-                        self._drop_row(old, released)
+                        unused.append(old)
                     entry.fields[name] = ref
-            self._settle(released, part)
-            return KVBatchMeta(partition_id, keys, out_tags)
+            if unused:
+                self._release(unused, part)
+            return KVBatchMeta.adopt(partition_id, keys, [copy_tag(t) for t in out_tags])  # keys checked above
 
     def _plan_field_writes(self, part: dict[str, _Entry], keys: list[str],
-                           columns: Mapping[str, list[tuple[Column, int]]], overwrite: bool):
-        """The (key, field) pairs a put may not overwrite, and the (position, field) pairs it leaves as they are
-        (the key already holds that very value)."""
+                           columns: Mapping[str, tuple[list[Column], list[tuple[Column, int]]]], overwrite: bool):
+        """The (key, field) pairs a put may not overwrite, the (position, field) pairs it leaves as they are (the
+        key already holds that very value), and whether any key already holds a field of the put."""
         conflicts: list[tuple[str, str]] = []
         skips: set[tuple[int, str]] = set()
         entries = [part.get(k) for k in keys]
+        holds = False
         if not any(e is not None and e.fields for e in entries):
-            return conflicts, skips
-        for name, refs in columns.items():
+            return conflicts, skips, holds
+        for name, (_, refs) in columns.items():
             for i, (key, entry) in enumerate(zip(keys, entries)):
                 old = entry.fields.get(name) if entry is not None else None
                 if old is None:
                     continue
+                holds = True
                 new_col, new_i = refs[i]
                 if same_value(old[0].row(old[1]), new_col.row(new_i)):
                     skips.add((i, name))
                 elif not overwrite:
                     conflicts.append((key, name))
-        return conflicts, skips
+        return conflicts, skips, holds
 
-    def _drop_row(self, ref: tuple[Column, int], released: dict[int, Column]) -> None:
-        """A row no key refers to any more: its bytes leave the count; the column is settled by :meth:`_settle`."""
-        col, i = ref
-        self._bytes -= col.drop(i)
-        released[id(col)] = col
-
-    def _settle(self, released: dict[int, Column], part: dict[str, _Entry]) -> None:
-        """Free columns without live rows; copy the live rows of those at most half used into a smaller one."""
-        for col in released.values():
+    def _release(self, refs: Iterable[tuple[Column, int]], part: dict[str, _Entry]) -> None:
+        """Rows no key refers to any more leave the byte count, one call per column; then a column without live
+        rows is freed and one at most half used has its live rows copied into a smaller one."""
+        by_col: defaultdict[Column, list[int]] = defaultdict(list)  # a column hashes by identity
+        for col, i in refs:
+            by_col[col].append(i)
+        for col, rows in by_col.items():
+            self._bytes -= col.drop(rows)
             if col.live == 0:
                 self._held -= col.nbytes
             elif 2 * col.live_bytes <= col.nbytes and col.nbytes:
@@ -180,19 +193,20 @@ class LocalStore(KVStore):
         select = check_select_fields(select_fields, op)
         with self._lock:
             part = self._parts.get(partition_id, {})
-            missing = [k for k in keys if k not in part]
-            if missing:
-                raise missing_error(op, partition_id, missing)
-            entries = [part[k] for k in keys]
+            entries = list(map(part.get, keys))  # C-level passes here: a get may ask for every key of a step
+            if None in entries:
+                raise missing_error(op, partition_id, [k for k, e in zip(keys, entries) if e is None])
+            held = list(map(_FIELDS, entries))
             if select is None:
-                select = list(entries[0].fields) if entries else []
-                union = set().union(*(e.fields for e in entries)) if entries else set()
+                select = list(held[0]) if held else []
+                union = set().union(*held) if held else set()
                 extra = sorted(union - set(select))
                 select += extra
-            absent = [(k, f) for f in select for k, e in zip(keys, entries) if f not in e.fields]
-            if absent:
-                raise missing_error(op, partition_id, absent, "(key, field) pair(s)")
-            columns = {f: [e.fields[f] for e in entries] for f in select}
+            try:
+                columns = {f: list(map(operator.itemgetter(f), held)) for f in select}
+            except KeyError:
+                absent = [(k, f) for f in select for k, e in zip(keys, entries) if f not in e.fields]
+                raise missing_error(op, partition_id, absent, "(key, field) pair(s)") from None
         # stored buffers are never mutated in place, so joining rows outside the lock is safe
         jagged = set(jagged)
         return TensorDict({f: gather_field(f, refs, f in jagged) for f, refs in columns.items()},
@@ -227,15 +241,9 @@ class LocalStore(KVStore):
         keys = check_keys(keys, op)
         with self._lock:
             part = self._parts.get(partition_id, {})
-            dropped = 0
-            released: dict[int, Column] = {}
-            for k in keys:
-                entry = part.pop(k, None)
-                if entry is not None:
-                    dropped += 1
-                    for ref in entry.fields.values():
-                        self._drop_row(ref, released)
-            self._settle(released, part)
+            entries = [e for e in map(part.pop, keys, itertools.repeat(None)) if e is not None]
+            dropped = len(entries)
+            self._release([ref for e in entries for ref in e.fields.values()], part)
             if not part:
                 self._parts.pop(partition_id, None)
             if mark_cleared:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["KVBatchMeta", "MetaKeyError", "MetaIndexError"]
+__all__ = ["KVBatchMeta", "MetaKeyError", "MetaIndexError", "copy_tag"]
 
 
 class MetaKeyError(KeyError):
@@ -40,20 +40,21 @@ class MetaIndexError(ValueError, IndexError):
 _ATOMS = frozenset((str, int, float, bool, type(None)))
 
 
-def _copy_tag(value: Any) -> Any:
+def copy_tag(value: Any) -> Any:
     """A deep copy of a tag value; JSON-shaped values (the store's tags) are copied without ``copy.deepcopy``'s
     memo bookkeeping, which costs more than the rest of a large batch's construction."""
     kind = type(value)
-    if kind in _ATOMS:
-        return value
     if kind is dict:
         out = value.copy()
-        for k, v in out.items():
-            if type(v) not in _ATOMS:
-                out[k] = _copy_tag(v)
+        if not set(map(type, out.values())) <= _ATOMS:  # most tags hold only atoms: one C-level pass
+            for k, v in out.items():
+                if type(v) not in _ATOMS:
+                    out[k] = copy_tag(v)
         return out
+    if kind in _ATOMS:
+        return value
     if kind is list:
-        return [v if type(v) in _ATOMS else _copy_tag(v) for v in value]
+        return [v if type(v) in _ATOMS else copy_tag(v) for v in value]
     return copy.deepcopy(value)
 
 
@@ -105,8 +106,18 @@ class KVBatchMeta:
             raise ValueError(f"KVBatchMeta.keys must be unique; duplicated: {_preview(sorted(set(dups)))}")
         if not isinstance(self.extra_info, dict):
             raise TypeError(f"KVBatchMeta.extra_info must be a dict, got {type(self.extra_info).__name__}")
-        self.tags = [_copy_tag(t) for t in self.tags]
-        self.extra_info = _copy_tag(self.extra_info)
+        self.tags = [copy_tag(t) for t in self.tags]
+        self.extra_info = copy_tag(self.extra_info)
+
+    @classmethod
+    def adopt(cls, partition_id: str, keys: list[str], tags: list[dict], extra_info: dict | None = None
+              ) -> "KVBatchMeta":
+        """A batch made of what the caller has just built and hands over (unique non-empty str keys, tags no one
+        else holds): neither checked nor copied again, where a store answers thousands of small puts."""
+        meta = cls.__new__(cls)
+        meta.partition_id, meta.keys, meta.tags = partition_id, keys, tags
+        meta.extra_info = {} if extra_info is None else extra_info
+        return meta
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -257,3 +258,44 @@ def test_balanced_plan_beats_contiguous_and_table_prints():
     assert unbalanced.metrics["dispatch/balance_after"] == pytest.approx(m["dispatch/balance_before"])
     with pytest.raises(PlanError, match="mini_batch must be an int in \\[0, 2\\)"):
         plan.gather_order(2)
+
+
+_TAG_EDITS = [  # (field, bad value): each makes one tag ill-formed in a way the per-tag reader names
+    ("seq_len", 0), ("seq_len", True), ("seq_len", 2.0), ("prompt_len", -1), ("response_len", "3"),
+    ("seq_len", 10 ** 30), ("is_padding", 1), ("prompt_len", np.int64(3)),
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(num_groups=st.integers(0, 6), g=st.integers(1, 3), seed=st.integers(0, 1000), need_groups=st.booleans(),
+       with_uid=st.booleans(), edit=st.one_of(st.none(), st.sampled_from(_TAG_EDITS)), where=st.integers(0, 99))
+def test_column_tag_reader_matches_the_per_tag_reader(num_groups, g, seed, need_groups, with_uid, edit, where):
+    """The fast column reader gives exactly what the per-tag reader gives, and on any ill-formed tag steps aside
+    (returns None) so the error still comes from the reader that names the tag."""
+    from dispatch.plan import _read_tags, _read_tags_each, _read_tags_fast
+
+    keys, tags = make_batch(num_groups, g, np.random.default_rng(seed))
+    pad = make_padding(2, global_steps=3, seed=seed)
+    keys, tags = keys + pad.keys, tags + [dict(t) for t in pad.tags]
+    if with_uid:
+        for k, t in zip(keys, tags):
+            if not t.get("is_padding"):
+                t["uid"] = group_of(k)
+    if edit is not None:
+        tags[where % len(tags)][edit[0]] = edit[1]
+    fast = _read_tags_fast(tags, keys, need_groups)
+    try:
+        each = _read_tags_each(tags, keys, need_groups)
+    except PlanError as exc:
+        assert fast is None
+        with pytest.raises(PlanError, match=re.escape(str(exc))):
+            _read_tags(tags, keys, need_groups)
+        return
+    if fast is None:  # a legal rare form (numpy ints) the fast path leaves to the per-tag reader
+        assert edit is not None
+        return
+    for a, b in zip(fast, each):
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        else:
+            assert a == b

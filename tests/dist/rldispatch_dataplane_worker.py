@@ -39,6 +39,13 @@ def main() -> None:
     remote_bytes = store.bytes_received
     assert remote_bytes > 0, "values from the other rank must arrive by point-to-point transfer"
 
+    # one rank holds the whole field (the other's keys, or this rank's own): its buffer comes back as the field
+    for owner in (other, rank):
+        mine = [f"u{owner}_{i}_0" for i in (0, 2)] + [f"u{owner}_9_e"]
+        got = store.fetch(mine, "train", ["x", "score"])
+        assert got["x"].is_nested and [r.tolist() for r in got["x"].unbind()] == [value_of(k).tolist() for k in mine]
+        assert not got["score"].is_nested and got["score"].tolist() == [0.0, 2.0, 3.0]
+
     # fetching only local keys moves nothing
     before = store.bytes_received
     store.fetch([f"u{rank}_0_0"], "train", ["x"])

@@ -140,3 +140,23 @@ def test_reorder_is_a_permutation_of_key_tag_pairs(perm):
     for j, i in enumerate(perm):
         inverse[i] = j
     assert new.reorder(inverse).keys == meta.keys
+
+
+def test_copy_tag_copies_every_container_and_keeps_atoms():
+    from protocol.store.meta import copy_tag
+
+    tag = {"status": "failure", "errors": ["a", {"why": [1, 2]}], "n": 3, "x": None, "t": (1, [2])}
+    out = copy_tag(tag)
+    assert out == tag
+    assert out is not tag and out["errors"] is not tag["errors"] and out["errors"][1] is not tag["errors"][1]
+    assert out["errors"][1]["why"] is not tag["errors"][1]["why"] and out["t"][1] is not tag["t"][1]
+    out["errors"][1]["why"].append(3)
+    assert tag["errors"][1]["why"] == [1, 2]
+
+
+def test_adopt_holds_what_it_is_given_and_equals_the_checked_constructor():
+    keys, tags = ["u_0_0", "u_1_0"], [{"seq_len": 3}, {"seq_len": 4}]
+    meta = KVBatchMeta.adopt("train", keys, tags, {"uid": "u"})
+    assert meta == KVBatchMeta("train", keys, tags, {"uid": "u"})
+    assert meta.keys is keys and meta.tags is tags  # handed over, not copied
+    assert KVBatchMeta.adopt("train", [], []).extra_info == {}

@@ -161,3 +161,26 @@ def test_registry_and_requirements():
     with pytest.raises(RewardError, match="data_source must be a str"):
         needs_ground_truth(None)
     assert default_compute_score("repeat", "bbb", "bbb") == 1.0  # tasks are scorers too
+
+
+def test_scorer_lookup_is_resolved_again_after_any_registry_change():
+    """scorer_spec remembers each data_source's scorer, but a scorer registered or removed later is seen at once."""
+    from protocol.algos.scorers import registry as scorer_registry
+    from protocol.registry import Registry
+
+    with pytest.raises(UnknownDataSourceError):
+        scorer_registry.scorer_spec("cachetest/abc")
+    assert scorer_registry.scorer_spec("openai/gsm8k") is scorer_registry.scorer_spec("openai/gsm8k")
+    before = Registry.generation
+    scorer_registry.register_scorer("cachetest/", prefix=True, needs_ground_truth=False)(lambda s, g, e=None: 0.25)
+    try:
+        assert Registry.generation == before + 1
+        assert default_compute_score("cachetest/abc", "x", None) == 0.25
+        exact = scorer_registry.register_scorer("cachetest/abc", needs_ground_truth=False)(lambda s, g, e=None: 0.5)
+        assert default_compute_score("cachetest/abc", "x", None) == 0.5  # the exact name now wins over the prefix
+        scorer_registry._SCORERS.unregister("cachetest/abc")
+        assert default_compute_score("cachetest/abc", "x", None) == 0.25 and exact
+    finally:
+        scorer_registry._SCORERS.unregister("cachetest/")
+    with pytest.raises(UnknownDataSourceError):
+        scorer_registry.scorer_spec("cachetest/abc")

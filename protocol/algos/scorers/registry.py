@@ -83,8 +83,25 @@ def known_scorers() -> list[str]:
     return sorted(names | set(_task_names()))
 
 
+_resolved: dict[str, ScorerSpec] = {}  # data_source -> its scorer, while Registry.generation is _resolved_at
+_resolved_at = -1
+
+
 def scorer_spec(data_source: str) -> ScorerSpec:
-    """The scorer of ``data_source``: exact name, else a task of that name, else the longest matching prefix."""
+    """The scorer of ``data_source``: exact name, else a task of that name, else the longest matching prefix.
+
+    Resolved once per data_source until a registry changes (every trajectory of a batch asks)."""
+    global _resolved_at
+    if _resolved_at != Registry.generation:
+        _resolved.clear()
+        _resolved_at = Registry.generation
+    spec = _resolved.get(data_source) if isinstance(data_source, str) else None
+    if spec is None:
+        spec = _resolved[data_source] = _resolve(data_source)
+    return spec
+
+
+def _resolve(data_source: str) -> ScorerSpec:
     if not isinstance(data_source, str):
         raise RewardError(f"data_source must be a str, got {type(data_source).__name__} {data_source!r}")
     if data_source in _SCORERS:

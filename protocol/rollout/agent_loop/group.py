@@ -11,6 +11,8 @@ written after its status settles):
    counts all).
 
 What a failed group's successful trajectories are used for is the replay buffer's ``failure_policy``.
+:func:`run_groups` sends the puts its groups ask for in one event-loop turn as a few combined batch puts
+(:mod:`protocol.rollout.agent_loop.writes`); each group's writes keep this order.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from protocol.rollout.agent_loop.base import AgentLoop
 from protocol.rollout.agent_loop.output import AgentLoopOutput, AgentLoopOutputError
 from protocol.store.keys import PromptStatus, check_uid, prompt_tag, transition
 from protocol.store.meta import KVBatchMeta
-from protocol.rollout.postprocess import postprocess_group, write_trajectories
+from protocol.rollout.agent_loop.writes import GroupWrites
+from protocol.rollout.postprocess import postprocess_group
 
 __all__ = ["register_prompts", "run_group", "run_groups", "MAX_ERRORS_IN_TAG"]
 
@@ -82,6 +85,13 @@ async def run_group(store: Any, uid: str, prompt: Any, n: int, agent_loop: Agent
     ``num_failed_sessions`` and ``errors``. If the group was cleared while its sessions ran, nothing is written,
     a warning is logged and ``extra_info["status"]`` is ``"cleared"``.
     """
+    return await _run_group(GroupWrites(store), uid, prompt, n, agent_loop, global_steps, partition_id,
+                            sampling_params, kwargs)
+
+
+async def _run_group(writes: GroupWrites, uid: str, prompt: Any, n: int, agent_loop: AgentLoop, global_steps: int,
+                     partition_id: str, sampling_params: Mapping[str, Any] | None,
+                     kwargs: Mapping[str, Any]) -> KVBatchMeta:
     from protocol.store import LateWriteError
 
     check_uid(uid)
@@ -89,30 +99,41 @@ async def run_group(store: Any, uid: str, prompt: Any, n: int, agent_loop: Agent
         raise ValueError(f"run_group: n (rollout.n) must be a positive int, got {n!r}")
     if not isinstance(agent_loop, AgentLoop):
         raise TypeError(f"run_group: agent_loop must be an AgentLoop, got {type(agent_loop).__name__}")
-    status, _ = _prompt_status(store, uid, partition_id)
+    status, _ = _prompt_status(writes.store, uid, partition_id)
     if status is None:
         transition(transition(None, PromptStatus.PENDING), PromptStatus.RUNNING)
-        store.kv_batch_put([uid], partition_id, tags=[prompt_tag(global_steps, PromptStatus.RUNNING)])
+        running = prompt_tag(global_steps, PromptStatus.RUNNING)
     else:
         transition(status, PromptStatus.RUNNING)
-        store.kv_batch_put([uid], partition_id, tags=[{"status": PromptStatus.RUNNING.value}])
+        running = {"status": PromptStatus.RUNNING.value}
 
-    def settle(final: PromptStatus, extra: dict[str, Any]) -> bool:
+    async def settle(final: PromptStatus, extra: dict[str, Any]) -> bool:
         transition(PromptStatus.RUNNING, final)
         try:
-            store.kv_batch_put([uid], partition_id, tags=[{"status": final.value, **extra}])
+            await writes.put([uid], partition_id, tags=[{"status": final.value, **extra}])
         except LateWriteError:
             logger.warning("group %s was cleared from partition %r while its sessions ran; status %s not written",
                            uid, partition_id, final.value)
             return False
         return True
 
-    tasks = [_session(agent_loop, prompt, sampling_params, s, kwargs) for s in range(n)]
+    def settle_cancelled(summary: dict[str, Any]) -> None:
+        """Mark the group failed without waiting: this task is being cancelled, and the write must still happen."""
+        transition(PromptStatus.RUNNING, PromptStatus.FAILURE)
+        future = writes.put_nowait([uid], partition_id, tags=[{
+            "status": PromptStatus.FAILURE.value, **summary,
+            "errors": ["CancelledError: run_group was cancelled", *summary.get("errors", [])][:MAX_ERRORS_IN_TAG],
+            "num_errors": summary.get("num_errors", 0) + 1}])
+        future.add_done_callback(lambda f: f.exception() is None or logger.warning(
+            "group %s was cancelled and its failure status was not written: %s", uid, f.exception()))
+
+    cancelled = {"num_sessions": n, "num_failed_sessions": n, "num_trajectories": 0}
     try:
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await writes.put([uid], partition_id, tags=[running])
+        results = await asyncio.gather(*[_session(agent_loop, prompt, sampling_params, s, kwargs) for s in range(n)],
+                                       return_exceptions=True)
     except asyncio.CancelledError:  # gather cancelled every session and waited for them to settle
-        settle(PromptStatus.FAILURE, {"num_sessions": n, "num_failed_sessions": n, "num_trajectories": 0,
-                                      "errors": ["CancelledError: run_group was cancelled"], "num_errors": 1})
+        settle_cancelled(cancelled)
         raise
     ok = {s: r for s, r in enumerate(results) if not isinstance(r, BaseException)}
     failed = {s: r for s, r in enumerate(results) if isinstance(r, BaseException)}
@@ -126,22 +147,28 @@ async def run_group(store: Any, uid: str, prompt: Any, n: int, agent_loop: Agent
     try:
         batch = postprocess_group(uid, ok, global_steps)
     except Exception as exc:
-        settle(PromptStatus.FAILURE, {**summary, "num_trajectories": 0,
-                                      "errors": [f"postprocess: {_error_text(exc)}", *errors][:MAX_ERRORS_IN_TAG],
-                                      "num_errors": len(errors) + 1})
+        await settle(PromptStatus.FAILURE, {**summary, "num_trajectories": 0,
+                                            "errors": [f"postprocess: {_error_text(exc)}", *errors][:MAX_ERRORS_IN_TAG],
+                                            "num_errors": len(errors) + 1})
         raise
     try:
-        meta = write_trajectories(store, partition_id, batch)
+        if batch.keys:  # one batch put of every trajectory of the group
+            meta = await writes.put(batch.keys, partition_id, fields=batch.rows, tags=batch.tags)
+        else:
+            meta = KVBatchMeta(partition_id, [], [])
     except LateWriteError:
         logger.warning("group %s was cleared from partition %r while its sessions ran; %d trajectories dropped",
                        uid, partition_id, len(batch))
         return KVBatchMeta(partition_id, [], [], {"uid": uid, "status": "cleared", "num_failed_sessions": len(failed),
                                                   "errors": errors, "dropped_trajectories": len(batch)})
+    except asyncio.CancelledError:  # the trajectories are written all the same; the group did not finish
+        settle_cancelled({**summary, "num_trajectories": len(batch)})
+        raise
     final = PromptStatus.FAILURE if failed else PromptStatus.FINISHED
-    written = settle(final, {**summary, "num_trajectories": len(batch)})
-    return KVBatchMeta(partition_id, meta.keys, meta.tags,
-                       {"uid": uid, "status": final.value if written else "cleared",
-                        "num_failed_sessions": len(failed), "errors": errors})
+    written = await settle(final, {**summary, "num_trajectories": len(batch)})
+    return KVBatchMeta.adopt(partition_id, meta.keys, meta.tags,  # the store's meta: already our own copies
+                             {"uid": uid, "status": final.value if written else "cleared",
+                              "num_failed_sessions": len(failed), "errors": errors})
 
 
 async def run_groups(store: Any, uids: Sequence[str], prompts: Sequence[Any], n: int, agent_loop: AgentLoop,
@@ -157,10 +184,14 @@ async def run_groups(store: Any, uids: Sequence[str], prompts: Sequence[Any], n:
         raise ValueError(f"run_groups: {len(uids)} uids but {len(prompts)} prompts; they must be equal")
     if row_kwargs is not None and len(row_kwargs) != len(prompts):
         raise ValueError(f"run_groups: row_kwargs has {len(row_kwargs)} entries, expected {len(prompts)}")
-    results = await asyncio.gather(*[
-        run_group(store, u, p, n, agent_loop, global_steps, partition_id, sampling_params,
-                  **(dict(row_kwargs[i]) if row_kwargs is not None else {}))
-        for i, (u, p) in enumerate(zip(uids, prompts))], return_exceptions=True)
+    writes = GroupWrites(store, combine=True)  # the groups' puts of one event-loop turn go as few batch puts
+    try:
+        results = await asyncio.gather(*[
+            _run_group(writes, u, p, n, agent_loop, global_steps, partition_id, sampling_params,
+                       dict(row_kwargs[i]) if row_kwargs is not None else {})
+            for i, (u, p) in enumerate(zip(uids, prompts))], return_exceptions=True)
+    finally:
+        writes.flush()  # cancelled: the failure statuses the groups queued are written before this returns
     for r in results:
         if isinstance(r, BaseException):
             raise r

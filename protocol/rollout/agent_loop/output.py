@@ -33,7 +33,16 @@ def non_ints(values: list) -> list:
     return [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
 
 
+def _int64(name: str, value: list) -> torch.Tensor:
+    try:  # through numpy: a few times cheaper than torch.tensor for the short lists of one trajectory
+        return torch.from_numpy(np.array(value, dtype=np.int64))
+    except OverflowError:
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} holds an int outside int64") from None
+
+
 def _as_ids(name: str, value: Any) -> torch.Tensor:
+    if type(value) is list and only_types(value, _INT):  # what generators return: one pass, no other checks
+        return _int64(name, value)
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
             raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be 1-D, got shape {tuple(value.shape)}")
@@ -49,13 +58,12 @@ def _as_ids(name: str, value: Any) -> torch.Tensor:
         raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold ints, found {bad[:3]!r}")
     if not only_types(value, _INT):
         value = [int(v) for v in value]  # int subclasses (IntEnum) as plain ints
-    try:  # through numpy: a few times cheaper than torch.tensor for the short lists of one trajectory
-        return torch.from_numpy(np.array(value, dtype=np.int64))
-    except OverflowError:
-        raise AgentLoopOutputError(f"AgentLoopOutput.{name} holds an int outside int64") from None
+    return _int64(name, value)
 
 
 def _as_floats(name: str, value: Any) -> torch.Tensor:
+    if type(value) is list and only_types(value, _NUMBER):
+        return torch.from_numpy(np.array(value, dtype=np.float32))
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
             raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be 1-D, got shape {tuple(value.shape)}")
