@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from protocol.store import KVStore, StepStore
+from protocol.store.meta import copy_tag
 from protocol.batch.nested import nested_from_values
 from protocol.store.columns import Column, gather_field
 
@@ -101,7 +102,7 @@ class ShardedStore(StepStore):
         meta = self.local.kv_batch_put(list(keys), partition_id, fields=fields, tags=list(tags) if tags else None,
                                        overwrite=overwrite)
         names = list(fields.keys()) if fields is not None else []
-        self._pending.append((partition_id, list(keys), [dict(t) for t in tags] if tags else None, names))
+        self._pending.append((partition_id, list(keys), [copy_tag(t) for t in tags] if tags else None, names))
         self._apply(self.rank, self._pending[-1])
         return meta
 
@@ -111,7 +112,7 @@ class ShardedStore(StepStore):
         Keys come sorted, so every rank lists them in the same order (each rank learns its own writes first and
         the others' at sync; a plan built from insertion order would differ between ranks)."""
         parts = [partition_id] if partition_id is not None else sorted(self._tags)
-        return {p: {k: dict(self._tags[p][k]) for k in sorted(self._tags.get(p, {}))} for p in parts}
+        return {p: {k: copy_tag(self._tags[p][k]) for k in sorted(self._tags.get(p, {}))} for p in parts}
 
     def kv_clear(self, keys: Sequence[str], partition_id: str) -> int:
         """Drop keys everywhere they are known; every rank calls this with the same keys (deterministic).
@@ -140,7 +141,7 @@ class ShardedStore(StepStore):
         missing = [k for k in keys if k not in tags]
         if missing:
             raise DataPlaneError(f"{len(missing)} key(s) have no tag in partition {partition_id!r}: {missing[:5]}")
-        return [dict(tags[k]) for k in keys]
+        return [copy_tag(tags[k]) for k in keys]
 
     kv_batch_get_tags = tags_of  # the store verb, so protocol code (agent loop, replay buffer) runs on this view
 

@@ -81,7 +81,7 @@ class StepPlan:
         return dict(self.train.metrics)
 
     def full_meta(self, store, partition_id: str = "train") -> KVBatchMeta:
-        return KVBatchMeta(partition_id, list(self.keys), store.tags_of(self.keys, partition_id))
+        return KVBatchMeta.adopt(partition_id, list(self.keys), store.tags_of(self.keys, partition_id))  # fresh copies
 
     def rank_meta(self, full: KVBatchMeta, dp_rank: int) -> KVBatchMeta:
         """All samples of ``dp_rank`` for inference (log-probs), in the inference plan's order."""

@@ -195,61 +195,50 @@ def columns_of_put(fields: Any, keys: Sequence[str]) -> dict[str, Rows]:
     return {name: _field_column(name, value, keys) for name, value in batch_fields(fields, len(keys))}
 
 
-def _runs(refs: Sequence[tuple[Column, int]]) -> list[tuple[Column, int, int]]:
-    """``refs`` as maximal runs ``(column, first, end)`` of consecutive rows of one column, in order."""
-    runs = []
-    col, first, prev = None, 0, -2
-    for c, i in refs:
-        if c is col and i == prev + 1:
-            prev = i
-            continue
-        if col is not None:
-            runs.append((col, first, prev + 1))
-        col, first, prev = c, i, i
-    if col is not None:
-        runs.append((col, first, prev + 1))
-    return runs
-
-
 _COLUMN, _ROW = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _tokens(col: Column, rows: np.ndarray, trail: torch.Size | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``col`` as a run of tokens (ragged rows: their steps; dense rows: one token each, or ``[len, *trail]``
+    tokens each when ``trail`` is given) and, for ``rows``, where each starts in it and how many tokens it has."""
+    if col.offsets is not None:
+        off = col.offsets_array
+        return col.array, off[rows], off[rows + 1] - off[rows]
+    if trail is None:
+        return col.array, rows, np.ones(rows.size, dtype=np.int64)
+    width = col.values.shape[1]
+    return col.array.reshape(-1, *trail), rows * width, np.full(rows.size, width, dtype=np.int64)
+
+
+def _take(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The tokens of rows ``(starts, lengths)`` back to back, as a new array (one slice when they are adjacent)."""
+    if starts.size and bool((starts[1:] == starts[:-1] + lengths[:-1]).all()):
+        return tokens[int(starts[0]):int(starts[0] + lengths.sum())].copy()  # a slice is a view: copy it
+    return tokens[_ranges(starts, lengths)]
 
 
 def _rows_of(refs: Sequence[tuple[Column, int]], cols: list[Column], trail: torch.Size | None
              ) -> tuple[torch.Tensor, np.ndarray]:
     """The rows ``refs`` back to back along dim 0 (a new tensor) — dense rows as they are when ``trail`` is None,
-    else as ``[len, *trail]`` tokens — and each row's length along dim 0 (only when ``trail`` is given)."""
+    else as ``[len, *trail]`` tokens — and each row's length in tokens. A column's rows are taken with one index
+    (or one slice), whatever the order asked: no Python step per row."""
     dtype = cols[0].values.dtype
-    if len(cols) == 1:  # the common read: rows of one column, taken with one slice or one index
-        (col,) = cols
-        idx = np.array(list(map(_ROW, refs)), dtype=np.int64)
-        n = idx.size
-        whole = slice(int(idx[0]), int(idx[0]) + n) if idx[-1] - idx[0] == n - 1 and \
-            (n < 2 or bool((np.diff(idx) == 1).all())) else None
-        if col.offsets is None:
-            rows = col.array[whole].copy() if whole is not None else col.array[idx]  # a slice is a view: copy it
-            lengths = np.empty(0, dtype=np.int64)
-            if trail is not None:
-                rows = rows.reshape(-1, *trail)
-                lengths = np.full(n, col.values.shape[1], dtype=np.int64)
-            return _to_tensor(rows, dtype), lengths
-        off = col.offsets_array
-        starts, lengths = off[idx], off[idx + 1] - off[idx]
-        if whole is not None:
-            return _to_tensor(col.array[off[whole.start]:off[whole.stop]].copy(), dtype), lengths
-        return _to_tensor(col.array[_ranges(starts, lengths)], dtype), lengths
-    pieces, lengths_of = [], []
-    for c, a, b in _runs(refs):
-        if c.offsets is not None:
-            off = c.offsets_array
-            pieces.append(c.array[off[a]:off[b]])
-            lengths_of.append(np.diff(off[a:b + 1]))
-        elif trail is None:
-            pieces.append(c.array[a:b])
-        else:
-            pieces.append(c.array[a:b].reshape(-1, *trail))
-            lengths_of.append(np.full(b - a, c.values.shape[1], dtype=np.int64))
-    lengths = np.concatenate(lengths_of) if lengths_of else np.empty(0, dtype=np.int64)
-    return _to_tensor(np.concatenate(pieces, 0), dtype), lengths
+    rows = np.fromiter(map(_ROW, refs), dtype=np.int64, count=len(refs))
+    if len(cols) == 1:
+        tokens, starts, lengths = _tokens(cols[0], rows, trail)
+        return _to_tensor(_take(tokens, starts, lengths), dtype), lengths
+    number = {id(c): j for j, c in enumerate(cols)}
+    which = np.fromiter(map(number.__getitem__, map(id, map(_COLUMN, refs))), dtype=np.int64, count=len(refs))
+    parts, lengths = [], np.empty(len(refs), dtype=np.int64)
+    for j, col in enumerate(cols):
+        at = np.flatnonzero(which == j)
+        tokens, starts, lengths[at] = _tokens(col, rows[at], trail)
+        parts.append((at, _take(tokens, starts, lengths[at])))
+    ends = np.cumsum(lengths)
+    out = np.empty((int(ends[-1]) if ends.size else 0, *parts[0][1].shape[1:]), dtype=parts[0][1].dtype)
+    for at, values in parts:  # each column's tokens to their places in the asked order
+        out[_ranges(ends[at] - lengths[at], lengths[at])] = values
+    return _to_tensor(out, dtype), lengths
 
 
 def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = False) -> torch.Tensor:

@@ -222,7 +222,7 @@ class LocalStore(KVStore):
             missing = [k for k in keys if k not in part]
             if missing:
                 raise missing_error(op, partition_id, missing)
-            return [dict(part[k].tag) for k in keys]
+            return [copy_tag(part[k].tag) for k in keys]
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]:
         self._check_open("kv_list")
@@ -230,8 +230,8 @@ class LocalStore(KVStore):
             if partition_id is not None:
                 partition_id = check_partition(partition_id)
                 part = self._parts.get(partition_id, {})
-                return {partition_id: {k: dict(e.tag) for k, e in part.items()}}
-            return {pid: {k: dict(e.tag) for k, e in part.items()} for pid, part in self._parts.items() if part}
+                return {partition_id: {k: copy_tag(e.tag) for k, e in part.items()}}
+            return {pid: {k: copy_tag(e.tag) for k, e in part.items()} for pid, part in self._parts.items() if part}
 
     # ---- clean-up -----------------------------------------------------------------------------------
     def kv_clear(self, keys: Sequence[str], partition_id: str, *, mark_cleared: bool = True) -> int:

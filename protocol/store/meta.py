@@ -38,6 +38,7 @@ class MetaIndexError(ValueError, IndexError):
 
 
 _ATOMS = frozenset((str, int, float, bool, type(None)))
+_STR, _DICT = frozenset({str}), frozenset({dict})
 
 
 def copy_tag(value: Any) -> Any:
@@ -112,8 +113,14 @@ class KVBatchMeta:
     @classmethod
     def adopt(cls, partition_id: str, keys: list[str], tags: list[dict], extra_info: dict | None = None
               ) -> "KVBatchMeta":
-        """A batch made of what the caller has just built and hands over (unique non-empty str keys, tags no one
-        else holds): neither checked nor copied again, where a store answers thousands of small puts."""
+        """A batch of keys and tags the caller has just made and hands over (tags no one else holds): checked in
+        a few C-level passes and not copied again, where the constructor's copy would be a second one. Anything
+        the constructor would refuse goes to it, for its error."""
+        if type(keys) is not list or type(tags) is not list or len(keys) != len(tags) or \
+                type(partition_id) is not str or not partition_id or not set(map(type, keys)) <= _STR or \
+                "" in keys or not set(map(type, tags)) <= _DICT or len(set(keys)) != len(keys) or \
+                (extra_info is not None and type(extra_info) is not dict):
+            return cls(partition_id, keys, tags, {} if extra_info is None else extra_info)
         meta = cls.__new__(cls)
         meta.partition_id, meta.keys, meta.tags = partition_id, keys, tags
         meta.extra_info = {} if extra_info is None else extra_info

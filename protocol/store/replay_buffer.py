@@ -297,8 +297,9 @@ class ReplayBuffer:
         self.totals["groups_sampled"] += len(chosen)
         self.totals["samples_sampled"] += len(keys)
         self._handed_out.update(g.uid for g in chosen)
-        meta = KVBatchMeta(self.partition_id, keys, tags,
-                           {"uids": [g.uid for g in chosen], "global_steps": current_step})
+        # the tags are this snapshot's own copies (a store's listing copies them), so the batch takes them as they are
+        meta = KVBatchMeta.adopt(self.partition_id, keys, tags,
+                                 {"uids": [g.uid for g in chosen], "global_steps": current_step})
         return meta, counts
 
     def _check_request(self, batch_size: int, current_step: int, timeout: float | None) -> float:

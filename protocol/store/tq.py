@@ -36,7 +36,7 @@ import torch
 from tensordict import TensorDict
 
 from .keys import uid_of
-from .meta import KVBatchMeta
+from .meta import KVBatchMeta, copy_tag
 from .base import (
     DEFAULT_MAX_CLEARED_MARKS,
     ClearedMarks,
@@ -204,7 +204,7 @@ class TransferQueueStore(KVStore):
             for name, parts in columns.items():
                 for key, value in zip(keys, parts):
                     self._bytes.setdefault((partition_id, key), {})[name] = nbytes(value)
-            return KVBatchMeta(partition_id, keys, [dict(t) for t in out.tags])
+            return KVBatchMeta(partition_id, keys, [copy_tag(t) for t in out.tags])
 
     def _conflicts(self, partition_id: str, keys: list[str], columns: Mapping[str, list[torch.Tensor]],
                    meta: Any, where: Mapping[str, int]) -> list[tuple[str, str]]:
@@ -267,16 +267,16 @@ class TransferQueueStore(KVStore):
         meta, where, missing = self._lookup(keys, partition_id)
         if missing:
             raise missing_error(op, partition_id, missing)
-        return [dict(meta.custom_meta[where[k]]) for k in keys]
+        return [copy_tag(meta.custom_meta[where[k]]) for k in keys]
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]:
         self._check_open("kv_list")
         if partition_id is not None:
             partition_id = self._check_partition(partition_id)
             listed = self._tq.kv_list(partition_id)
-            return {partition_id: {k: dict(t) for k, t in listed.get(partition_id, {}).items()}}
+            return {partition_id: {k: copy_tag(t) for k, t in listed.get(partition_id, {}).items()}}
         listed = self._tq.kv_list()
-        return {pid: {k: dict(t) for k, t in part.items()} for pid, part in listed.items()
+        return {pid: {k: copy_tag(t) for k, t in part.items()} for pid, part in listed.items()
                 if part and not pid.startswith(MARKS_PREFIX)}
 
     # ---- clean-up -----------------------------------------------------------------------------------

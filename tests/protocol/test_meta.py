@@ -160,3 +160,16 @@ def test_adopt_holds_what_it_is_given_and_equals_the_checked_constructor():
     assert meta == KVBatchMeta("train", keys, tags, {"uid": "u"})
     assert meta.keys is keys and meta.tags is tags  # handed over, not copied
     assert KVBatchMeta.adopt("train", [], []).extra_info == {}
+
+
+def test_adopt_refuses_what_the_constructor_refuses():
+    with pytest.raises(ValueError, match="unique"):
+        KVBatchMeta.adopt("train", ["a", "a"], [{}, {}])
+    with pytest.raises(TypeError, match="non-empty str"):
+        KVBatchMeta.adopt("train", ["a", ""], [{}, {}])
+    with pytest.raises(ValueError, match="one tag per key"):
+        KVBatchMeta.adopt("train", ["a"], [{}, {}])
+    with pytest.raises(TypeError, match="must be dicts"):
+        KVBatchMeta.adopt("train", ["a"], [[]])
+    with pytest.raises(TypeError, match="partition_id"):
+        KVBatchMeta.adopt("", ["a"], [{}])

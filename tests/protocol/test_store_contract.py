@@ -579,3 +579,18 @@ def test_tq_marks_bounded_per_instance(tq_store, pid):
         small.kv_clear([keys[0]], pid, mark_cleared=False)
     finally:
         small.close()
+
+
+def test_tag_reads_are_deep_copies(store, pid):
+    """A caller editing a nested value of a tag it read (a status's error list) never edits the store's tag."""
+    keys = _keys(2)
+    store.kv_batch_put(keys, pid, tags=[{"errors": ["a"], "m": {"x": [1]}}, {"errors": []}])
+    got = store.kv_batch_get_tags(keys, pid)
+    got[0]["errors"].append("edited")
+    got[0]["m"]["x"].append(2)
+    listed = store.kv_list(pid)[pid]
+    listed[keys[1]]["errors"].append("edited")
+    assert store.kv_batch_get_tags(keys, pid) == [{"errors": ["a"], "m": {"x": [1]}}, {"errors": []}]
+    meta = store.kv_batch_get_meta(keys, pid)
+    meta.tags[0]["errors"].append("edited")
+    assert store.kv_list(pid)[pid][keys[0]] == {"errors": ["a"], "m": {"x": [1]}}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import abc
-import copy
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Awaitable, Callable, Union
@@ -11,6 +10,7 @@ import torch
 
 from protocol.rollout.agent_loop.output import AgentLoopOutput, non_ints, only_types
 from protocol.registry import Registry
+from protocol.store.meta import copy_tag
 
 __all__ = [
     "GenerateFn",
@@ -114,7 +114,7 @@ class AgentLoop(abc.ABC):
                 raise ValueError(f"{type(self).__name__} got chat messages but has no tokenizer to template them")
             ids = list(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
             if type(prompt) is list:
-                self._templated = (copy.deepcopy(prompt), list(ids))
+                self._templated = (copy_tag(prompt), list(ids))  # messages are JSON-shaped: no deepcopy memo
             return ids
         if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
             if not prompt:
