@@ -87,6 +87,8 @@ def new_uid() -> str:
 
 def check_uid(uid: Any) -> str:
     """Return ``uid`` if it is a non-empty string without ``_``; raise :class:`KeyFormatError` otherwise."""
+    if type(uid) is str and uid and "_" not in uid:
+        return uid
     if not isinstance(uid, str):
         raise KeyFormatError(f"uid must be a str, got {type(uid).__name__} {uid!r}")
     if not uid:
@@ -97,6 +99,8 @@ def check_uid(uid: Any) -> str:
 
 
 def _check_index(name: str, value: Any) -> int:
+    if type(value) is int and value >= 0:
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise KeyFormatError(f"{name} must be a non-negative int, got {type(value).__name__} {value!r}")
     if value < 0:
@@ -201,6 +205,8 @@ def transition(old: str | PromptStatus | None, new: str | PromptStatus) -> Promp
 
 
 def _nonneg(name: str, value: Any) -> int:
+    if type(value) is int and value >= 0:  # the common case, without the isinstance chain
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TagError(f"tag field {name!r} must be a non-negative int, got {type(value).__name__} {value!r}")
     if value < 0:

@@ -35,7 +35,7 @@ def non_ints(values: list) -> list:
 
 def _int64(name: str, value: list) -> torch.Tensor:
     try:  # through numpy: a few times cheaper than torch.tensor for the short lists of one trajectory
-        return torch.from_numpy(np.array(value, dtype=np.int64))
+        return torch.from_numpy(np.fromiter(value, dtype=np.int64, count=len(value)))
     except OverflowError:
         raise AgentLoopOutputError(f"AgentLoopOutput.{name} holds an int outside int64") from None
 
@@ -63,7 +63,7 @@ def _as_ids(name: str, value: Any) -> torch.Tensor:
 
 def _as_floats(name: str, value: Any) -> torch.Tensor:
     if type(value) is list and only_types(value, _NUMBER):
-        return torch.from_numpy(np.array(value, dtype=np.float32))
+        return torch.from_numpy(np.fromiter(value, dtype=np.float32, count=len(value)))
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
             raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be 1-D, got shape {tuple(value.shape)}")
