@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from protocol.store import KVStore, StepStore
-from protocol.store.meta import copy_tag
 from protocol.batch.nested import nested_from_values
+from protocol.store import KVStore, StepStore
 from protocol.store.columns import Column, gather_field
+from protocol.store.meta import copy_tag
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 

@@ -2,7 +2,7 @@
 
 A put of ``n`` keys copies each field once into a :class:`Column` — dense rows ``[n, *shape]``, or ragged rows
 (``values [T, *rest]`` cut at ``offsets [n + 1]``) — and each key refers to its row ``(column, i)``. A get joins
-the rows it asks for by slicing runs of consecutive rows, so neither side does a tensor operation per key.
+the rows it asks for with one slice or one index per column, so neither side does a tensor operation per key.
 What comes back follows the same rule as :func:`~protocol.store.batching.assemble_field` (dense when every
 row has the same shape, jagged when only dim 0 differs, ``FieldShapeError`` otherwise).
 
@@ -80,7 +80,7 @@ class Column:
         elif n == 1:
             size = (self.offsets[rows[0] + 1] - self.offsets[rows[0]]) * self.unit_bytes
         else:
-            off, idx = np.asarray(self.offsets, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+            off, idx = self.offsets_array, np.asarray(rows, dtype=np.int64)
             size = int((off[idx + 1] - off[idx]).sum()) * self.unit_bytes
         self.live -= n
         self.live_bytes -= size
@@ -89,16 +89,13 @@ class Column:
     def take(self, rows: Sequence[int]) -> "Column":
         """A new column (own buffer) of ``rows``, in that order."""
         keys = [self.keys[i] for i in rows]
-        idx = np.asarray(rows, dtype=np.int64)
-        if self.offsets is None:
-            return Column(self.field, self.values[torch.from_numpy(idx)], None, keys)  # indexing copies
-        offsets = np.asarray(self.offsets, dtype=np.int64)
-        lengths = offsets[idx + 1] - offsets[idx]
-        token = _ranges(offsets[idx], lengths)
-        return Column(self.field, self.values[torch.from_numpy(token)], _offsets(lengths), keys)
+        tokens, starts, lengths = _tokens(self, np.asarray(rows, dtype=np.int64), None)
+        values = _to_tensor(_take(tokens, starts, lengths), self.values.dtype)
+        return Column(self.field, values, None if self.offsets is None else _offsets(lengths), keys)
 
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TENSOR = frozenset({torch.Tensor})
 
 
 def _to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -155,9 +152,6 @@ def _list_column(name: str, rows: list[torch.Tensor], keys: list[str]) -> Rows:
     # values that could never be batched together still go in, each in a column of its own
     cols = [Column(name, _own(r).unsqueeze(0), None, [k]) for r, k in zip(rows, keys)]
     return cols, [(c, 0) for c in cols]
-
-
-_TENSOR = frozenset({torch.Tensor})
 
 
 def _field_column(name: str, value: Any, keys: list[str]) -> Rows:
