@@ -142,13 +142,17 @@ def test_run_groups_cancelled_marks_every_group_failed():
     store = LocalStore()
     uids = [new_uid() for _ in range(3)]
 
+    started = []
+
     class Hang(AgentLoop):
         async def run(self, prompt, sampling_params=None, **kw):
+            started.append(1)
             await asyncio.sleep(10)
 
     async def main():
         task = asyncio.create_task(run_groups(store, uids, [[1]] * 3, 2, Hang(lambda i, s: None), 0))
-        await asyncio.sleep(0.02)
+        while len(started) < 6:  # every session is running (a fixed sleep could end before a slow machine got there)
+            await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
