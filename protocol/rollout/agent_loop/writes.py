@@ -128,11 +128,11 @@ class GroupWrites:
             else:
                 _settle(first.future, meta)
             return
-        keys = [k for r in batch for k in r.keys]
-        fields = None if first.fields is None else {name: _join([r.fields[name] for r in batch])
-                                                    for name in first.fields}
-        tags = None if first.tags is None else [t for r in batch for t in r.tags]
-        try:
+        try:  # joining inside too: whatever fails here, every caller still gets an outcome
+            keys = [k for r in batch for k in r.keys]
+            fields = None if first.fields is None else {name: _join([r.fields[name] for r in batch])
+                                                        for name in first.fields}
+            tags = None if first.tags is None else [t for r in batch for t in r.tags]
             meta = self.store.kv_batch_put(keys, first.partition_id, fields=fields, tags=tags)
         except Exception:  # some request was refused, and nothing was written: each on its own, in order
             for r in batch:
