@@ -35,6 +35,7 @@ from dispatch.balance import balance_partitions, contiguous_partitions, imbalanc
 from dispatch.microbatch import split_micro_batches
 from dispatch.settings import BatchSettings
 from dispatch.topology import Topology
+from protocol.checks import DICT, INT, STR, only_types
 from protocol.store.keys import KeyFormatError, group_of
 
 __all__ = [
@@ -267,14 +268,17 @@ def _sums(values: np.ndarray, parts: Sequence[Sequence[int]]) -> np.ndarray:
     return np.bincount(part_of, weights=values[flat].astype(np.float64), minlength=len(parts))
 
 
+_BOOL = frozenset({bool})
+
+
 def _read_tags_fast(tags: list, keys: Sequence[str] | None, need_groups: bool):
     """:func:`_read_tags` for well-formed tags (plain dicts, int lengths that add up, bool ``is_padding``, str keys)
     by columns, in a few C-level passes; None where anything looks off, so the per-tag reader names the problem."""
-    if keys is None or len(keys) != len(tags) or not set(map(type, tags)) <= {dict}:
+    if keys is None or len(keys) != len(tags) or not only_types(tags, DICT):
         return None
     columns = [[t.get(name) for t in tags] for name in ("seq_len", "prompt_len", "response_len")]
     flags = [t.get("is_padding", False) for t in tags]
-    if not all(set(map(type, c)) <= {int} for c in columns) or not set(map(type, flags)) <= {bool}:
+    if not all(only_types(c, INT) for c in columns) or not only_types(flags, _BOOL):
         return None
     try:
         seq, prompt, response = (np.array(c, dtype=np.int64) for c in columns)
@@ -285,7 +289,7 @@ def _read_tags_fast(tags: list, keys: Sequence[str] | None, need_groups: bool):
             return None
     pad = np.array(flags, dtype=bool).reshape(n)
     names = list(keys)
-    if not set(map(type, names)) <= {str}:
+    if not only_types(names, STR):
         return None
     groups = [t.get("uid") for t in tags]
     if need_groups:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # runtime import would be circular (agent_loop.group imports 
     from protocol.rollout.agent_loop.output import AgentLoopOutput
 
 __all__ = ["MULTI_MODAL_PREFIX", "PostprocessError", "TrajectoryBatch", "outputs_to_fields", "outputs_to_rows",
-           "postprocess_group", "write_trajectories"]
+           "postprocess_group"]
 
 
 #: Field-name prefix of the processor tensors of multimodal prompts (``multi_modal_inputs.pixel_values``, ...).
@@ -151,12 +151,3 @@ def postprocess_group(uid: str, session_outputs: Mapping[int, Sequence["AgentLoo
             tags.append(_tag(out, global_steps))
             flat.append(out)
     return TrajectoryBatch(keys, outputs_to_rows(flat) if flat else None, tags)
-
-
-def write_trajectories(store: Any, partition_id: str, batch: TrajectoryBatch) -> Any:
-    """Write ``batch`` with ONE ``store.kv_batch_put`` and return its KVBatchMeta (nothing written when empty)."""
-    if not batch.keys:
-        from protocol.store.meta import KVBatchMeta
-
-        return KVBatchMeta(partition_id, [], [])
-    return store.kv_batch_put(batch.keys, partition_id, fields=batch.rows, tags=batch.tags)

@@ -37,6 +37,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from protocol.checks import INT, only_types
 from protocol.config import ConfigError
 
 __all__ = [
@@ -142,7 +143,7 @@ class CharTokenizer:
         if hasattr(ids, "tolist"):  # torch tensor / numpy array
             ids = ids.tolist()
         ids = ids if type(ids) is list else list(ids)
-        if set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
+        if only_types(ids, INT) and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
             return ids  # the common case in one C-level pass; the loop below names the first bad id
         out = []
         for pos, i in enumerate(ids):
@@ -396,10 +397,10 @@ def decode_response(tokenizer: Any, ids: Iterable[int], stop_ids: Iterable[int] 
     """
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
-    ids = ids if type(ids) is list and set(map(type, ids)) <= {int} else [int(i) for i in ids]
+    ids = ids if type(ids) is list and only_types(ids, INT) else [int(i) for i in ids]
     if stop_ids is None:
         stops = stop_token_ids(tokenizer)
-    elif isinstance(stop_ids, (set, frozenset)) and set(map(type, stop_ids)) <= {int}:
+    elif isinstance(stop_ids, (set, frozenset)) and only_types(stop_ids, INT):
         stops = stop_ids
     else:
         stops = frozenset(int(i) for i in stop_ids)

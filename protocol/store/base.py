@@ -35,6 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
+from protocol.checks import plain_keys
+
 from .keys import is_prompt_key, uid_of
 from .meta import KVBatchMeta
 from .batching import normalize_tag, single_key_fields
@@ -61,9 +63,6 @@ def check_partition(partition_id: Any) -> str:
     return partition_id
 
 
-_STR = frozenset({str})
-
-
 def check_keys(keys: Any, op: str) -> list[str]:
     """``keys`` as a list of unique non-empty str (a single str is one key)."""
     if isinstance(keys, str):
@@ -71,10 +70,11 @@ def check_keys(keys: Any, op: str) -> list[str]:
     if not isinstance(keys, Iterable):
         raise TypeError(f"{op}: keys must be a list of str, got {type(keys).__name__}")
     keys = list(keys)
-    if not set(map(type, keys)) <= _STR or "" in keys:  # one C-level pass; the list below names the culprits
-        bad = [k for k in keys if not isinstance(k, str) or not k]
-        if bad:
-            raise TypeError(f"{op}: keys must be non-empty str; found {preview(bad)}")
+    if plain_keys(keys):  # the common case in C-level passes; the loops below name the culprits
+        return keys
+    bad = [k for k in keys if not isinstance(k, str) or not k]
+    if bad:
+        raise TypeError(f"{op}: keys must be non-empty str; found {preview(bad)}")
     if len(set(keys)) != len(keys):
         seen: set[str] = set()
         dups = sorted({k for k in keys if k in seen or seen.add(k)})  # type: ignore[func-returns-value]

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from protocol.batch.nested import nested_from_values
+from protocol.checks import only_types
 from .batching import assemble_field, batch_fields, own_copy as _own
 from .errors import FieldShapeError, preview
 
@@ -77,8 +78,6 @@ class Column:
             size = n * self.unit_bytes
         elif n == len(self.keys):  # every row at once: the whole buffer
             size = (self.offsets[-1] - self.offsets[0]) * self.unit_bytes
-        elif n == 1:
-            size = (self.offsets[rows[0] + 1] - self.offsets[rows[0]]) * self.unit_bytes
         else:
             off, idx = self.offsets_array, np.asarray(rows, dtype=np.int64)
             size = int((off[idx + 1] - off[idx]).sum()) * self.unit_bytes
@@ -131,7 +130,7 @@ def _all_rows(col: Column) -> Rows:
 
 def _list_column(name: str, rows: list[torch.Tensor], keys: list[str]) -> Rows:
     """Rows given one tensor per key: one ragged or dense column when they fit one, else one column per key."""
-    if not set(map(type, rows)) <= _TENSOR:  # one pass; a subclass (Parameter) is looked at one by one
+    if not only_types(rows, _TENSOR):  # a subclass (Parameter) is looked at one by one
         bad = [i for i, r in enumerate(rows) if not isinstance(r, torch.Tensor)]
         if bad:
             raise TypeError(f"field {name!r}: list items must be tensors; positions {preview(bad)} are not "

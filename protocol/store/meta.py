@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from protocol.checks import DICT, only_types, plain_keys
+
 __all__ = ["KVBatchMeta", "MetaKeyError", "MetaIndexError", "copy_tag"]
 
 
@@ -38,7 +40,6 @@ class MetaIndexError(ValueError, IndexError):
 
 
 _ATOMS = frozenset((str, int, float, bool, type(None)))
-_STR, _DICT = frozenset({str}), frozenset({dict})
 
 
 def copy_tag(value: Any) -> Any:
@@ -47,7 +48,7 @@ def copy_tag(value: Any) -> Any:
     kind = type(value)
     if kind is dict:
         out = value.copy()
-        if not set(map(type, out.values())) <= _ATOMS:  # most tags hold only atoms: one C-level pass
+        if not only_types(out.values(), _ATOMS):  # most tags hold only atoms: one C-level pass
             for k, v in out.items():
                 if type(v) not in _ATOMS:
                     out[k] = copy_tag(v)
@@ -117,9 +118,8 @@ class KVBatchMeta:
         a few C-level passes and not copied again, where the constructor's copy would be a second one. Anything
         the constructor would refuse goes to it, for its error."""
         if type(keys) is not list or type(tags) is not list or len(keys) != len(tags) or \
-                type(partition_id) is not str or not partition_id or not set(map(type, keys)) <= _STR or \
-                "" in keys or not set(map(type, tags)) <= _DICT or len(set(keys)) != len(keys) or \
-                (extra_info is not None and type(extra_info) is not dict):
+                type(partition_id) is not str or not partition_id or not plain_keys(keys) or \
+                not only_types(tags, DICT) or (extra_info is not None and type(extra_info) is not dict):
             return cls(partition_id, keys, tags, {} if extra_info is None else extra_info)
         meta = cls.__new__(cls)
         meta.partition_id, meta.keys, meta.tags = partition_id, keys, tags

@@ -204,7 +204,7 @@ class TransferQueueStore(KVStore):
             for name, parts in columns.items():
                 for key, value in zip(keys, parts):
                     self._bytes.setdefault((partition_id, key), {})[name] = nbytes(value)
-            return KVBatchMeta(partition_id, keys, [copy_tag(t) for t in out.tags])
+            return KVBatchMeta(partition_id, keys, out.tags)  # the meta copies the tags
 
     def _conflicts(self, partition_id: str, keys: list[str], columns: Mapping[str, list[torch.Tensor]],
                    meta: Any, where: Mapping[str, int]) -> list[tuple[str, str]]:

@@ -8,8 +8,7 @@ from hypothesis import given, settings, strategies as st
 from protocol.rollout.agent_loop.output import AgentLoopOutput
 from protocol.store.keys import check_trajectory_tag, new_uid, parse_trajectory_key
 from protocol.rollout.postprocess import (
-    MULTI_MODAL_PREFIX, PostprocessError, TrajectoryBatch, outputs_to_fields, postprocess_group,
-    write_trajectories,
+    MULTI_MODAL_PREFIX, PostprocessError, outputs_to_fields, postprocess_group,
 )
 from protocol.store import LocalStore
 
@@ -90,19 +89,18 @@ def test_postprocess_errors():
     assert empty.keys == [] and empty.fields is None
 
 
-def test_write_trajectories_one_put_round_trip():
+def test_a_batch_is_one_put_round_trip():
     store = LocalStore()
     uid = new_uid()
     outs = [_out(3, 5, seed=1), _out(4, 2, seed=2)]
     batch = postprocess_group(uid, {0: outs[:1], 1: outs[1:]}, 7)
-    meta = write_trajectories(store, "train", batch)
+    meta = store.kv_batch_put(batch.keys, "train", fields=batch.rows, tags=batch.tags)
     assert meta.keys == batch.keys and meta.tags == batch.tags
     got = store.kv_batch_get(meta.keys, "train", ["input_ids", "response_mask", "rollout_log_probs"])
     for i, o in enumerate(outs):
         assert torch.equal(got["input_ids"][i], torch.cat([o.prompt_ids, o.response_ids]))
         assert torch.equal(got["response_mask"][i], o.response_mask)
     assert store.kv_list("train")["train"][batch.keys[1]]["seq_len"] == 6
-    assert len(write_trajectories(store, "train", TrajectoryBatch([], None, []))) == 0
 
 
 @settings(max_examples=30, deadline=None)
@@ -119,7 +117,7 @@ def test_rows_are_written_as_they_are_and_match_the_fields(shapes):
         else:
             assert len(value) == len(outs) and not any(v.is_nested for v in value), name
     store = LocalStore()
-    write_trajectories(store, "train", batch)
+    store.kv_batch_put(batch.keys, "train", fields=batch.rows, tags=batch.tags)
     got = store.kv_batch_get(batch.keys, "train", list(batch.rows), jagged=list(batch.rows)[:-1])
     want = batch.fields
     for name in batch.rows:

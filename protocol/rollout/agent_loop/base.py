@@ -8,7 +8,8 @@ from typing import Any, Awaitable, Callable, Union
 
 import torch
 
-from protocol.rollout.agent_loop.output import AgentLoopOutput, non_ints, only_types
+from protocol.checks import FLOAT, only_types
+from protocol.rollout.agent_loop.output import AgentLoopOutput, non_ints
 from protocol.registry import Registry
 from protocol.store.meta import copy_tag
 
@@ -26,8 +27,6 @@ __all__ = [
 #: ``generate(prompt_ids, sampling_params) -> (token_ids, logprobs | None)``, a plain or an ``async`` function.
 GenerateFn = Callable[[list, dict], Union[tuple, Awaitable[tuple]]]
 
-
-_FLOAT = frozenset({float})
 
 
 class GenerateError(ValueError):
@@ -64,7 +63,7 @@ async def call_generate(generate: GenerateFn, prompt_ids: Sequence[int], samplin
         if isinstance(logprobs, torch.Tensor):
             logprobs = logprobs.reshape(-1).tolist()
         logprobs = list(logprobs)
-        if not only_types(logprobs, _FLOAT):
+        if not only_types(logprobs, FLOAT):
             logprobs = [float(x) for x in logprobs]
         if len(logprobs) != len(token_ids):
             raise GenerateError(f"generate returned {len(token_ids)} token ids but {len(logprobs)} log-probs")

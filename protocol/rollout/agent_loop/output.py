@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from protocol.checks import INT, NUMBER, only_types
+
 __all__ = ["AgentLoopOutput", "AgentLoopOutputError"]
 
 
@@ -16,64 +18,49 @@ class AgentLoopOutputError(ValueError):
     """An AgentLoopOutput whose fields are missing, of the wrong type, or of unequal lengths."""
 
 
-_INT = frozenset({int})
-_NUMBER = frozenset({int, float})
-
-
-def only_types(values: list, allowed: frozenset) -> bool:
-    """Every item of ``values`` is exactly of an ``allowed`` type: one C-level pass, where an ``isinstance`` per
-    item would cost a Python step per token. False means "look closer" (subclasses are checked one by one)."""
-    return set(map(type, values)) <= allowed
-
-
 def non_ints(values: list) -> list:
     """The items of ``values`` that are not ints (bools are not), most often none, found in one pass."""
-    if only_types(values, _INT):
+    if only_types(values, INT):
         return []
     return [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
 
 
-def _int64(name: str, value: list) -> torch.Tensor:
-    try:  # through numpy: a few times cheaper than torch.tensor for the short lists of one trajectory
-        return torch.from_numpy(np.fromiter(value, dtype=np.int64, count=len(value)))
-    except OverflowError:
-        raise AgentLoopOutputError(f"AgentLoopOutput.{name} holds an int outside int64") from None
+def _as_list(name: str, value: Any, what: str) -> list:
+    if type(value) is list:
+        return value
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be a list of {what} or a 1-D tensor, "
+                                   f"got {type(value).__name__}")
+    return list(value)
 
 
 def _as_ids(name: str, value: Any) -> torch.Tensor:
-    if type(value) is list and only_types(value, _INT):  # what generators return: one pass, no other checks
-        return _int64(name, value)
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
             raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be 1-D, got shape {tuple(value.shape)}")
         if value.dtype.is_floating_point or value.dtype.is_complex:
             raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold integers, got dtype {value.dtype}")
         return value.detach().to("cpu", torch.int64)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be a list of ints or a 1-D tensor, "
-                                   f"got {type(value).__name__}")
-    value = value if type(value) is list else list(value)
-    bad = non_ints(value)
-    if bad:
-        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold ints, found {bad[:3]!r}")
-    if not only_types(value, _INT):
+    value = _as_list(name, value, "ints")
+    if not only_types(value, INT):  # what generators return passes in one pass
+        bad = non_ints(value)
+        if bad:
+            raise AgentLoopOutputError(f"AgentLoopOutput.{name} must hold ints, found {bad[:3]!r}")
         value = [int(v) for v in value]  # int subclasses (IntEnum) as plain ints
-    return _int64(name, value)
+    try:  # through numpy: a few times cheaper than torch.tensor for the short lists of one trajectory
+        return torch.from_numpy(np.fromiter(value, dtype=np.int64, count=len(value)))
+    except OverflowError:
+        raise AgentLoopOutputError(f"AgentLoopOutput.{name} holds an int outside int64") from None
 
 
 def _as_floats(name: str, value: Any) -> torch.Tensor:
-    if type(value) is list and only_types(value, _NUMBER):
-        return torch.from_numpy(np.fromiter(value, dtype=np.float32, count=len(value)))
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
             raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be 1-D, got shape {tuple(value.shape)}")
         return value.detach().to("cpu", torch.float32)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise AgentLoopOutputError(f"AgentLoopOutput.{name} must be a list of floats or a 1-D tensor, "
-                                   f"got {type(value).__name__}")
-    value = value if type(value) is list else list(value)
-    if only_types(value, _NUMBER):
-        return torch.from_numpy(np.array(value, dtype=np.float32))
+    value = _as_list(name, value, "floats")
+    if only_types(value, NUMBER):
+        return torch.from_numpy(np.fromiter(value, dtype=np.float32, count=len(value)))
     try:
         return torch.tensor([float(v) for v in value], dtype=torch.float32)
     except (TypeError, ValueError):
