@@ -20,12 +20,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
 from protocol.fields import DENSE_FIELDS, FLOAT_FIELDS, INT_FIELDS
+from protocol.store.batching import batch_of
 from protocol.store.keys import trajectory_key, trajectory_tag
-from protocol.batch.nested import nested_from_values
+from protocol.batch.nested import nested_from_lengths
 
 __all__ = [
     "PaddingError",
@@ -75,8 +77,7 @@ def is_padding_key(key: str) -> bool:
 
 def _jagged(count: int, length: int, fill: torch.Tensor) -> torch.Tensor:
     values = fill.repeat(count) if fill.numel() == length else fill.new_zeros(count * length)
-    offsets = torch.arange(count + 1, dtype=torch.int64) * length
-    return nested_from_values(values, offsets)
+    return nested_from_lengths(values, np.full(count, length, dtype=np.int64))
 
 
 def make_padding(count: int, *, global_steps: int = 0, pad_token_id: int = 0,
@@ -118,4 +119,4 @@ def make_padding(count: int, *, global_steps: int = 0, pad_token_id: int = 0,
             data[name] = torch.zeros(count, dtype=torch.float32)
         else:
             data[name] = torch.ones(count, dtype=torch.bool)
-    return PaddingBatch(keys=keys, tags=tags, data=TensorDict(data, batch_size=[count]))
+    return PaddingBatch(keys=keys, tags=tags, data=batch_of(data, count))

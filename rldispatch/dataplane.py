@@ -7,8 +7,9 @@ rank that asked — never through one central rank.
 """
 from __future__ import annotations
 
-import io
 import itertools
+import json
+import math
 from collections import defaultdict
 from typing import Any, Sequence
 
@@ -17,10 +18,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from protocol.batch.nested import nested_from_values
+from protocol.batch.nested import is_jagged, jagged_parts, nested_from_lengths, nested_from_values
 from protocol.store import KVStore, StepStore
 from protocol.store.columns import Column, gather_field
+from protocol.store.batching import batch_of
 from protocol.store.meta import copy_tag
+from rldispatch.collectives import gather_objects
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 
@@ -35,44 +38,87 @@ class DataPlaneError(KeyError):
 def _pack(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One field of many keys as one tensor and its row offsets (None: dense rows), so a transfer serializes
     tensors only — one or two per field, whatever the number of keys."""
-    if getattr(value, "is_nested", False):
-        if value._lengths is not None or not value.is_contiguous():
-            value = value.contiguous()
-        return value.values(), value.offsets()
+    if is_jagged(value):
+        return jagged_parts(value)
     return value, None
 
 
-def _unpack(field: str, keys: list[str], flat: torch.Tensor, offsets: torch.Tensor | None) -> Column:
-    """What :func:`_pack` packed for ``keys`` (in the order the sender read them), as a column of their rows."""
+def _check_rows(field: str, keys: list[str], flat: torch.Tensor, offsets: torch.Tensor | None) -> None:
     rows = flat.shape[0] if offsets is None else offsets.numel() - 1
     if rows != len(keys):
         raise DataPlaneError(f"field {field!r}: a peer sent {rows} values for {len(keys)} keys")
-    return Column(field, flat, None if offsets is None else offsets.tolist(), keys)
 
 
-def _join(field: str, keys: list[str], cols: list[Column]) -> torch.Tensor:
-    """The rows of ``keys`` (in order) from the columns the holders sent; anything with a length comes back
-    jagged, whichever rank sent it and however long its rows happen to be."""
+def _as_joined(value: torch.Tensor) -> torch.Tensor:
+    """A field read whole from one store, by the rule of :func:`_join`: rows with a length come back jagged even
+    when they happen to share it (a dense ``[n, L, ...]`` read), 0-d rows dense."""
+    if is_jagged(value) or value.dim() < 2:
+        return value
+    n, width = value.shape[:2]
+    return nested_from_lengths(value.reshape(-1, *value.shape[2:]), np.full(n, width, dtype=np.int64))
+
+
+def _join(field: str, keys: list[str], sent: list[tuple[list[str], torch.Tensor, torch.Tensor | None]]
+          ) -> torch.Tensor:
+    """The rows of ``keys`` (in order) from what each holder sent (its keys, in the order it read them, with their
+    values and offsets); anything with a length comes back jagged, whichever rank sent it and however long its rows
+    happen to be."""
+    for ks, flat, offsets in sent:
+        _check_rows(field, ks, flat, offsets)
+    if len(sent) == 1:  # one holder sent every key, in this order: its buffer is the field (no second copy)
+        (_, flat, offsets), = sent
+        return _as_joined(flat) if offsets is None else nested_from_values(flat, offsets)
+    cols = [Column(field, flat, None if offsets is None else offsets.tolist(), ks) for ks, flat, offsets in sent]
     jagged = any(c.offsets is not None or c.values.dim() > 1 for c in cols)
-    if len(cols) == 1:  # one holder sent every key, in this order: its buffer is the field (no second copy)
-        (col,) = cols
-        if not jagged:
-            return col.values
-        offsets = col.offsets if col.offsets is not None else [i * col.values.shape[1] for i in range(len(keys) + 1)]
-        values = col.values if col.offsets is not None else col.values.reshape(-1, *col.values.shape[2:])
-        return nested_from_values(values, torch.tensor(offsets, dtype=torch.int64))
     row_of = {k: (c, i) for c in cols for i, k in enumerate(c.keys)}
     return gather_field(field, [row_of[k] for k in keys], jagged)
 
 
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+_ALIGN = 8  # every tensor of a message starts at a multiple of this many bytes, so it is read in place
 
 
-def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
+def _encode(payload: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """One uint8 message of packed fields: an int64 header length, a JSON header (field, dtype, shape, offsets
+    count per field) and each tensor's raw bytes; no pickle, and the tensors are copied once."""
+    header, parts = [], []
+    for name, (values, offsets) in payload.items():
+        header.append([name, str(values.dtype).removeprefix("torch."), list(values.shape),
+                       -1 if offsets is None else offsets.numel()])
+        parts += [values] if offsets is None else [values, offsets.to(torch.int64)]
+    head = json.dumps(header).encode()
+    chunks = [torch.tensor([len(head)], dtype=torch.int64).view(torch.uint8),
+              _padded(torch.frombuffer(bytearray(head), dtype=torch.uint8))]
+    chunks += [_padded(t.detach().contiguous().reshape(-1).view(torch.uint8)) for t in parts]
+    return torch.cat([c.cpu() for c in chunks])
+
+
+def _padded(raw: torch.Tensor) -> torch.Tensor:
+    gap = -raw.numel() % _ALIGN
+    return raw if not gap else torch.cat([raw, raw.new_zeros(gap)])
+
+
+def _decode(msg: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """What :func:`_encode` packed; the tensors are views of ``msg`` (a CPU uint8 tensor)."""
+    at = _ALIGN
+    n = int(msg[:at].view(torch.int64)[0])
+    header = json.loads(bytes(msg[at:at + n].numpy()))
+    at += n + (-n % _ALIGN)
+
+    def take(dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        nonlocal at
+        size = math.prod(shape) * dtype.itemsize
+        t = msg[at:at + size].view(dtype).reshape(shape)
+        at += size + (-size % _ALIGN)
+        return t
+
+    out = {}
+    for name, dtype, shape, n_offsets in header:
+        dt = getattr(torch, dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise DataPlaneError(f"field {name!r}: a peer sent values of an unknown dtype {dtype!r}")
+        values = take(dt, shape)
+        out[name] = (values, None if n_offsets < 0 else take(torch.int64, [n_offsets]))
+    return out
 
 
 class ShardedStore(StepStore):
@@ -181,8 +227,7 @@ class ShardedStore(StepStore):
         pending, self._pending = self._pending, []
         if self.world == 1:
             return
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, pending, group=self.group)
+        gathered = gather_objects(pending, group=self.group, device=self.device)
         for src, updates in enumerate(gathered):
             if src == self.rank:
                 continue
@@ -193,30 +238,37 @@ class ShardedStore(StepStore):
         """Collective: every rank gets the ``fields`` of its own ``keys`` (possibly none), in the order asked."""
         keys, fields = list(keys), list(fields)
         held_here = self._holders(partition_id, keys, fields)  # fails before the collective, naming the culprit
-        requests: list[Any] = [None] * self.world
         mine = (partition_id, keys, fields)
-        if self.world > 1:
-            dist.all_gather_object(requests, mine, group=self.group)
-        else:
-            requests = [mine]
+        requests = gather_objects(mine, group=self.group, device=self.device) if self.world > 1 else [mine]
+        # a field this rank holds for every key is read in place below; what other ranks asked for is packed
+        whole = [f for f, ks in held_here.get(self.rank, {}).items() if len(ks) == len(keys)]
         outgoing: list[dict | None] = [None] * self.world
         for dst, (part, want, names) in enumerate(requests):
-            by_field = (held_here if dst == self.rank else self._holders(part, want, names)).get(self.rank)
-            if by_field:
-                outgoing[dst] = {f: _pack(self.local.kv_batch_get(ks, part, select_fields=[f]).get(f))
-                                 for f, ks in by_field.items()}
+            by_field = held_here.get(self.rank, {}) if dst == self.rank else \
+                self._holders(part, want, names).get(self.rank, {})
+            packed = {f: _pack(self.local.kv_batch_get(ks, part, select_fields=[f]).get(f))
+                      for f, ks in by_field.items() if not (dst == self.rank and f in whole)}
+            if packed:
+                outgoing[dst] = packed
         received = self._exchange(outgoing)
         if not keys:
             return TensorDict({}, batch_size=[0])
+        out = dict.fromkeys(fields)
+        if whole:
+            read = self.local.kv_batch_get(keys, partition_id, select_fields=whole)
+            out.update({f: _as_joined(read.get(f)) for f in whole})
         # the sender's key order is known here (replicated locations), so only tensors travelled
-        parts: dict[str, list[Column]] = {f: [] for f in fields}
+        parts: dict[str, list[tuple[list[str], torch.Tensor, torch.Tensor | None]]] = defaultdict(list)
         for src, held in sorted(held_here.items()):
             payload = received[src]
             for f, ks in held.items():
+                if f in whole:
+                    continue
                 if payload is None or f not in payload:
                     raise DataPlaneError(f"rank {src} sent nothing for field {f!r} of {len(ks)} key(s) it holds")
-                parts[f].append(_unpack(f, ks, *payload[f]))
-        return TensorDict({f: _join(f, keys, cols) for f, cols in parts.items()}, batch_size=[len(keys)])
+                parts[f].append((ks, *payload[f]))
+        out.update({f: _join(f, keys, sent) for f, sent in parts.items()})
+        return batch_of(out, len(keys))
 
     def _holders(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]
                  ) -> dict[int, dict[str, list[str]]]:
@@ -262,8 +314,8 @@ class ShardedStore(StepStore):
         received[self.rank] = outgoing[self.rank]
         if self.world == 1:
             return received
-        blobs = [_dumps(p) if (p is not None and dst != self.rank) else b"" for dst, p in enumerate(outgoing)]
-        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=self.device)
+        blobs = [_encode(p) if (p is not None and dst != self.rank) else None for dst, p in enumerate(outgoing)]
+        sizes = torch.tensor([0 if b is None else b.numel() for b in blobs], dtype=torch.int64, device=self.device)
         matrix = [torch.zeros_like(sizes) for _ in range(self.world)]
         dist.all_gather(matrix, sizes, group=self.group)
         ops, inbox = [], {}
@@ -273,16 +325,15 @@ class ShardedStore(StepStore):
                 inbox[src] = torch.empty(n, dtype=torch.uint8, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, inbox[src], self._global(src), group=self.group))
         for dst, blob in enumerate(blobs):
-            if blob:
-                t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
-                ops.append(dist.P2POp(dist.isend, t, self._global(dst), group=self.group))
-                self.bytes_sent += len(blob)
+            if blob is not None:
+                ops.append(dist.P2POp(dist.isend, blob.to(self.device), self._global(dst), group=self.group))
+                self.bytes_sent += blob.numel()
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         for src, buf in inbox.items():
             self.bytes_received += buf.numel()
-            received[src] = _loads(buf.cpu().numpy().tobytes())
+            received[src] = _decode(buf.cpu())
         return received
 
     def _global(self, group_rank: int) -> int:

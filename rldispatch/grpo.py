@@ -45,18 +45,19 @@ import protocol.rollout.tasks  # noqa: F401  (registers the task scorers by data
 from protocol.algos.reward import (RewardInput, RewardResult, build_reward_manager, compute_rm_scores,
                                    needs_ground_truth, numeric_extras)
 from protocol.store import LocalStore
-from protocol.store.batching import jagged_rows
+from protocol.store.batching import batch_of, jagged_rows
 from protocol.store.keys import uid_of
 from protocol.rollout.tokenizer import check_vocab_fits, decode_response, load_tokenizer, resolve_tokenizer
 from rldispatch.bridge import StoreBridge
 from rldispatch.config import ConfigError, RunConfig
+from rldispatch.collectives import check_same_everywhere
 from rldispatch.run_dir import (RUN_RECORD, check_resume_config, checkpoint_candidates, claim_run_dir,
                                 write_run_record)
 from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
 from rldispatch.gc_policy import StepGC
 from rldispatch.metrics import (
-    MetricsLogger, Timer, check_same_everywhere, distributed_masked_stats, global_sums, per_rank_values, sample_lengths,
+    MetricsLogger, StepStats, Timer, distributed_masked_stats, global_sums, sample_lengths,
 )
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, make_step_plan
@@ -185,6 +186,7 @@ class StepState:
     step: int
     prompts: tuple[list[dict], list[str]]
     metrics: dict[str, float] = field(default_factory=dict)
+    stats: StepStats = field(default_factory=StepStats)  # cross-rank metrics, reduced once in _finish
     times: dict[str, float] = field(default_factory=dict)
     sampled: KVBatchMeta | None = None  # the replay buffer's batch (real trajectories)
     plan: StepPlan | None = None
@@ -396,24 +398,15 @@ class GRPOTrainer:
                                      response_mask=mask, is_padding=is_pad, key=key))
         result = self.reward_manager(items)
         rm = compute_rm_scores(result.scores, td["response_mask"])
-        self.store.kv_batch_put(keys, partition, TensorDict({"rm_scores": rm}, batch_size=[len(keys)]))
+        self.store.kv_batch_put(keys, partition, batch_of({"rm_scores": rm}, len(keys)))
         return result
 
-    def _reward_extra_metrics(self, result: RewardResult, pad: torch.Tensor) -> dict[str, float]:
-        """``reward/extra/<name>/mean`` over every rank's real samples of each numeric extra value a scorer returned.
-
-        The names are gathered first: a rank whose trajectories gave no such value still joins each reduction.
-        """
-        local = numeric_extras(result)
-        names: list[list[str]] = [[] for _ in range(self.ctx.world)]
-        dist.all_gather_object(names, sorted(local))
-        out = {}
-        n = result.scores.shape[0]
-        for name in sorted(set().union(*names)):
-            values, missing = local.get(name, (torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool)))
-            stats = distributed_masked_stats(values, missing | pad, f"reward/extra/{name}", device=self.ctx.device)
-            out[f"reward/extra/{name}/mean"] = stats[f"reward/extra/{name}/mean"]
-        return out
+    @staticmethod
+    def _reward_extra_metrics(result: RewardResult, pad: torch.Tensor, stats: StepStats) -> None:
+        """``reward/extra/<name>/mean`` over every rank's real samples of each numeric extra value a scorer returned
+        (a rank whose trajectories gave no such value contributes none)."""
+        for name, (values, missing) in numeric_extras(result).items():
+            stats.masked(f"reward/extra/{name}", values, missing | pad, keep=("mean",))
 
     # ------------------------------------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
@@ -495,11 +488,10 @@ class GRPOTrainer:
 
     def _compute_reward(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         result = self._score(st.own, TRAIN, dict(zip(st.uids, st.rows)), st.own_pad)
-        st.metrics.update(distributed_masked_stats(result.scores.double(), st.own_pad, "reward/score",
-                                                   device=self.ctx.device))
-        st.metrics.update(self._reward_extra_metrics(result, st.own_pad))
-        real, padding = global_sums([float((~st.own_pad).sum()), float(st.own_pad.sum())], device=self.ctx.device)
-        st.metrics["samples/real"], st.metrics["samples/padding"] = real, padding
+        st.stats.masked("reward/score", result.scores.double(), st.own_pad)
+        self._reward_extra_metrics(result, st.own_pad, st.stats)
+        st.stats.sum("samples/real", float((~st.own_pad).sum()))
+        st.stats.sum("samples/padding", float(st.own_pad.sum()))
         self.store.sync()
         self._trace("reward", st.sampled, ["rm_scores"], "reward_manager", "advantage")
         return full
@@ -526,11 +518,11 @@ class GRPOTrainer:
                               outputs={"log_probs": "ref_log_prob"}, temperature=self.cfg.rollout.temperature,
                               data=st.infer_inputs)
         self.store.sync()
-        st.metrics.update(self._kl_metrics(st.mine, st.infer_inputs))
+        self._kl_metrics(st.mine, st.infer_inputs, st.stats)
         self._trace("ref", st.sampled, ["ref_log_prob"], "ref.infer_batch", "kl")
         return full
 
-    def _kl_metrics(self, mine: KVBatchMeta, inputs: TensorDict) -> dict[str, float]:
+    def _kl_metrics(self, mine: KVBatchMeta, inputs: TensorDict, stats: StepStats) -> None:
         """``kl/*`` over real samples: per-sample masked mean of the estimator, from this rank's written share."""
         kl_vals, pad = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
         wrote = len(mine) and self.engine.is_reporting_rank  # it wrote the share; other ranks of the replica did not
@@ -546,7 +538,7 @@ class GRPOTrainer:
             per_token = kl_penalty(old, ref, self.cfg.algorithm.kl_penalty) * mask
             kl_vals = (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).double()
             pad = torch.tensor([bool(t.get("is_padding")) for t in mine.tags], dtype=torch.bool)
-        return distributed_masked_stats(kl_vals, pad, "kl", device=self.ctx.device)
+        stats.masked("kl", kl_vals, pad)
 
     def _compute_advantage(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         self._advantage(st.own, st.own_pad)
@@ -560,13 +552,13 @@ class GRPOTrainer:
         updates = [self.bridge.train(mb.meta(full), mb.micro_batches, use_kl_loss=self.cfg.actor.loss.use_kl_loss)
                    for mb in st.plan.mini_batches(self.dp_rank)]
         st.metrics.update(combine_update_metrics(updates))
-        st.metrics.update(self._sample_metrics(st.own, st.own_pad))
+        self._sample_metrics(st.own, st.own_pad, st.stats)
         return full
 
     def _clear(self, full: KVBatchMeta, st: "StepState") -> None:
         self.replay.clear(st.sampled, extra_keys=st.plan.padding_keys)
         self.store.kv_clear(st.uids, TRAIN)  # prompt keys of groups the replay buffer dropped earlier
-        st.metrics["store/keys_after_clear"] = global_sums([float(self.store.num_keys())], device=self.ctx.device)[0]
+        st.stats.sum("store/keys_after_clear", float(self.store.num_keys()))
 
     def _collect_garbage(self, _: KVBatchMeta | None, st: "StepState") -> None:
         self.gc.step_done(st.step)
@@ -576,6 +568,9 @@ class GRPOTrainer:
 
     def _finish(self, st: "StepState", seconds: float) -> dict[str, float]:
         m = st.metrics
+        st.stats.per_rank("dataplane/bytes_received", self.store.bytes_received)
+        self.store.bytes_received = 0
+        m.update(st.stats.reduce(device=self.ctx.device))  # the step's one metrics collective
         if isinstance(self.kl_ctrl, AdaptiveKLController) and "kl/mean" in m:
             self.kl_ctrl.update(m["kl/mean"], n_steps=self.cfg.data.train_batch_size)
         m["kl/coef"] = float(self.kl_ctrl.value)
@@ -584,10 +579,6 @@ class GRPOTrainer:
         m.update(st.times)
         tokens = float(sum(t["seq_len"] for t in st.sampled.tags))
         m["perf/tokens_per_s"] = tokens / max(seconds, 1e-9)
-        received = per_rank_values(self.store.bytes_received, device=self.ctx.device)
-        self.store.bytes_received = 0
-        m.update({f"dataplane/bytes_received/rank{r}": v for r, v in enumerate(received)})
-        m["dataplane/bytes_received/max"] = max(received)
         return m
 
     def _check_invariants(self, own: list[str]) -> None:
@@ -610,8 +601,7 @@ class GRPOTrainer:
         pad = [k for k, p in zip(own, own_pad.tolist()) if p]
         if real:
             td = self.store.read_local(real, TRAIN, ["rollout_log_probs"])
-            self.store.kv_batch_put(real, TRAIN, TensorDict({"old_log_probs": td["rollout_log_probs"]},
-                                                            batch_size=[len(real)]))
+            self.store.kv_batch_put(real, TRAIN, batch_of({"old_log_probs": td["rollout_log_probs"]}, len(real)))
         if pad:
             td = self.store.read_local(pad, TRAIN, ["response_mask"])
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
@@ -648,16 +638,16 @@ class GRPOTrainer:
                       "token_level_rewards": padded_to_jagged(rewards, lengths),
                       "advantages": padded_to_jagged(adv.float(), lengths),
                       "returns": padded_to_jagged(ret.float(), lengths)}
-            self.store.kv_batch_put(own, TRAIN, TensorDict(fields, batch_size=[len(own)]))
+            self.store.kv_batch_put(own, TRAIN, batch_of(fields, len(own)))
 
-    def _sample_metrics(self, own: list[str], pad: torch.Tensor) -> dict[str, float]:
+    def _sample_metrics(self, own: list[str], pad: torch.Tensor, stats: StepStats) -> None:
         """Response and policy length statistics over real samples (padding excluded), over all ranks."""
         if own:
             resp_len, policy_len = sample_lengths(self.store.read_local(own, TRAIN, ["response_mask"])["response_mask"])
         else:
             resp_len = policy_len = torch.zeros(0, dtype=torch.int64)
-        return {**distributed_masked_stats(resp_len.double(), pad, "response_length", device=self.ctx.device),
-                **distributed_masked_stats(policy_len.double(), pad, "policy_length", device=self.ctx.device)}
+        stats.masked("response_length", resp_len.double(), pad)
+        stats.masked("policy_length", policy_len.double(), pad)
 
     def _trace(self, stage: str, meta: KVBatchMeta, fields: list[str], producer: str, consumer: str) -> None:
         if not self.trace.enabled:

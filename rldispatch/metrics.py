@@ -8,7 +8,7 @@ import os
 import time
 from numbers import Real
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -16,8 +16,7 @@ from protocol.batch.nested import nested_offsets, nested_values
 
 __all__ = [
     "MetricsError", "MetricsLogger", "Timer", "masked_stats", "length_stats", "sample_lengths",
-    "distributed_masked_stats", "to_float_dict", "read_metrics", "global_sums", "per_rank_values",
-    "check_same_everywhere",
+    "distributed_masked_stats", "StepStats", "to_float_dict", "read_metrics", "global_sums", "per_rank_values",
 ]
 
 
@@ -61,34 +60,23 @@ def masked_stats(values: Any, is_padding: Any = None, name: str = "value") -> di
             f"{name}/max": float(kept.max())}
 
 
-def distributed_masked_stats(values: Any, is_padding: Any = None, name: str = "value",
-                             group: Any = None, device: Any = None) -> dict[str, float]:
-    """:func:`masked_stats` over the samples of every rank in ``group`` (each rank passes its own samples).
-
-    Count, sum and squared deviations are combined exactly (Chan's parallel formula); a rank may hold zero
-    non-padding samples as long as some rank holds one. Every rank gets the same result. ``device`` is where the
-    gather runs (the process group's device: a GPU under NCCL).
-    """
-    import torch.distributed as dist
-
+def _local_moments(values: Any, is_padding: Any, name: str) -> tuple[float, float, float, float, float]:
+    """``(count, mean, M2, min, max)`` of the non-padding samples here (float64; an empty share is ``(0, 0, 0, inf,
+    -inf)``): what ranks exchange to combine their statistics exactly."""
     v = _as_1d(values, name)
     kept = v[_keep_mask(v.numel(), is_padding, name)]
-    n = kept.numel()
-    mean = kept.mean() if n else torch.zeros((), dtype=torch.float64)
-    m2 = ((kept - mean) ** 2).sum() if n else torch.zeros((), dtype=torch.float64)
-    lo = kept.min() if n else torch.tensor(math.inf, dtype=torch.float64)
-    hi = kept.max() if n else torch.tensor(-math.inf, dtype=torch.float64)
-    world = dist.get_world_size(group)
-    local = torch.stack([torch.tensor(float(n), dtype=torch.float64), mean, m2, lo, hi])
-    if device is not None:  # NCCL gathers only device tensors
-        local = local.to(device)
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local, group=group)
-    parts = [p.cpu() for p in parts]
+    if not kept.numel():
+        return 0.0, 0.0, 0.0, math.inf, -math.inf
+    mean = kept.mean()
+    return float(kept.numel()), float(mean), float(((kept - mean) ** 2).sum()), float(kept.min()), float(kept.max())
+
+
+def _combine_moments(parts: Sequence[Sequence[float]], name: str) -> dict[str, float]:
+    """``{name}/mean, /std, /min, /max`` from each rank's :func:`_local_moments`, in rank order (Chan's parallel
+    formula, so every rank computes the same floats)."""
     total, g_mean, g_m2 = 0.0, 0.0, 0.0
     g_lo, g_hi = math.inf, -math.inf
-    for p in parts:
-        c, mu, m2_i, lo_i, hi_i = (float(x) for x in p)
+    for c, mu, m2_i, lo_i, hi_i in parts:
         if c == 0:
             continue
         delta = mu - g_mean
@@ -98,19 +86,106 @@ def distributed_masked_stats(values: Any, is_padding: Any = None, name: str = "v
         total = new_total
         g_lo, g_hi = min(g_lo, lo_i), max(g_hi, hi_i)
     if total == 0:
-        raise MetricsError(f"{name}: every sample on all {world} ranks is padding (or the batch is empty); "
+        raise MetricsError(f"{name}: every sample on all {len(parts)} ranks is padding (or the batch is empty); "
                            "no statistic can be computed")
     return {f"{name}/mean": g_mean, f"{name}/std": math.sqrt(max(g_m2 / total, 0.0)), f"{name}/min": g_lo,
             f"{name}/max": g_hi}
 
 
+def distributed_masked_stats(values: Any, is_padding: Any = None, name: str = "value",
+                             group: Any = None, device: Any = None) -> dict[str, float]:
+    """:func:`masked_stats` over the samples of every rank in ``group`` (each rank passes its own samples).
+
+    Count, sum and squared deviations are combined exactly (Chan's parallel formula); a rank may hold zero
+    non-padding samples as long as some rank holds one. Every rank gets the same result. ``device`` is where the
+    gather runs (the process group's device: a GPU under NCCL). A step reduces many of these at once with
+    :class:`StepStats`.
+    """
+    import torch.distributed as dist
+
+    local = torch.tensor(_local_moments(values, is_padding, name), dtype=torch.float64, device=device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return _combine_moments([p.cpu().tolist() for p in parts], name)
+
+
+class StepStats:
+    """A step's cross-rank metrics, collected as the stages run and reduced together in one collective.
+
+    Each stage records its local share (:meth:`masked`, :meth:`sum`, :meth:`per_rank`); :meth:`reduce` gathers every
+    rank's shares at once (one round trip instead of one per metric) and returns what
+    :func:`distributed_masked_stats`, a global sum or an all-gather of each would have. A name recorded on some
+    ranks only is reduced over the ranks that recorded it (a masked statistic: as an empty share elsewhere).
+
+    >>> s = StepStats()
+    >>> s.masked("r", [1.0, 3.0, 9.0], [False, False, True]); s.sum("n", 2.0)
+    >>> out = s.reduce()  # no process group: this process's values
+    >>> out["r/mean"], out["r/max"], out["n"]
+    (2.0, 3.0, 2.0)
+    """
+
+    def __init__(self) -> None:
+        self._moments: dict[str, tuple[tuple[float, ...], tuple[str, ...]]] = {}
+        self._sums: dict[str, float] = {}
+        self._per_rank: dict[str, float] = {}
+
+    def masked(self, name: str, values: Any, is_padding: Any = None,
+               keep: Sequence[str] = ("mean", "std", "min", "max")) -> None:
+        """``{name}/<stat>`` for each stat in ``keep``, over every rank's non-padding ``values``."""
+        self._record(name)
+        self._moments[name] = (_local_moments(values, is_padding, name), tuple(keep))
+
+    def sum(self, name: str, value: float) -> None:
+        """``name``: ``value`` summed over the ranks."""
+        self._record(name)
+        self._sums[name] = float(value)
+
+    def per_rank(self, name: str, value: float) -> None:
+        """``{name}/rank<r>`` for every rank and ``{name}/max``; every rank must record it."""
+        self._record(name)
+        self._per_rank[name] = float(value)
+
+    def _record(self, name: str) -> None:
+        if name in self._moments or name in self._sums or name in self._per_rank:
+            raise MetricsError(f"{name}: recorded twice in one step")
+
+    def reduce(self, group: Any = None, device: Any = None) -> dict[str, float]:
+        """Every recorded metric over the ranks of ``group`` (a collective, when a process group is up)."""
+        import torch.distributed as dist
+
+        from rldispatch.collectives import gather_objects
+
+        mine = (self._moments, self._sums, self._per_rank)
+        grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        gathered = gather_objects(mine, group=group, device=device) if grouped else [mine]
+        out: dict[str, float] = {}
+        for name in sorted(set().union(*(g[0] for g in gathered))):
+            empty = ((0.0, 0.0, 0.0, math.inf, -math.inf), ())
+            shares = [g[0].get(name, empty) for g in gathered]
+            keep = next(k for _, k in shares if k)
+            stats = _combine_moments([m for m, _ in shares], name)
+            out.update({f"{name}/{k}": stats[f"{name}/{k}"] for k in keep})
+        for name in sorted(set().union(*(g[1] for g in gathered))):
+            out[name] = sum(g[1].get(name, 0.0) for g in gathered)
+        for name in sorted(set().union(*(g[2] for g in gathered))):
+            missing = [r for r, g in enumerate(gathered) if name not in g[2]]
+            if missing:
+                raise MetricsError(f"{name}: a per-rank value that ranks {missing} did not record")
+            values = [g[2][name] for g in gathered]
+            out.update({f"{name}/rank{r}": v for r, v in enumerate(values)})
+            out[f"{name}/max"] = max(values)
+        return out
+
+
 def global_sums(values: list[float], device: Any = None, group: Any = None) -> list[float]:
-    """Each of a few scalars summed over the ranks of ``group``, in one all-reduce (float64)."""
+    """Each of a few scalars summed over the ranks of ``group`` (float64, in rank order: the same floats on every
+    rank). An all-gather: gloo's all-reduce of a vector takes several round trips."""
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=group)
-    return [float(x) for x in t.cpu()]
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return [float(sum(col)) for col in zip(*(p.cpu().tolist() for p in parts))]
 
 
 def per_rank_values(value: float, device: Any = None, group: Any = None) -> list[float]:
@@ -121,25 +196,6 @@ def per_rank_values(value: float, device: Any = None, group: Any = None) -> list
     parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
     return [float(p.item()) for p in parts]
-
-
-def check_same_everywhere(items: Any, what: str, device: Any = None, group: Any = None) -> None:
-    """Raise when ``items`` (a sequence of str) differ between ranks: a hash compared by MIN/MAX all-reduces.
-
-    Every rank must plan from the same ordered keys; a divergence would silently train on wrong shares.
-    """
-    import hashlib
-
-    import torch.distributed as dist
-
-    digest = hashlib.sha256("\n".join(items).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
-    lo, hi = mine.clone(), mine.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    if lo.item() != hi.item():
-        raise RuntimeError(f"{what} differs between ranks (rank {dist.get_rank()} holds {len(items)} items); "
-                           "the replicated tag view is out of sync")
 
 
 def sample_lengths(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

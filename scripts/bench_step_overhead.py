@@ -48,26 +48,24 @@ ROLLOUT_N = 8
 class SyntheticRollout:
     """Stands in for the rollout engine: instant, deterministic random responses with log-probs (no model).
 
-    Each reseed draws the step's tokens in bulk, so a call costs two list slices: the generation is the model's
-    time, not the step overhead this script measures.
+    Each reseed draws one step's tokens in bulk (``pool`` responses: the step's trajectories), so a call costs two
+    list slices: the generation is the model's time, not the step overhead this script measures.
     """
 
-    POOL = 1 << 16
-
-    def __init__(self, vocab: int, max_tokens: int, stop_ids: set[int]):
-        self.vocab, self.max_tokens, self.stop_token_ids = vocab, max_tokens, stop_ids
+    def __init__(self, vocab: int, max_tokens: int, stop_ids: set[int], pool: int):
+        self.vocab, self.max_tokens, self.stop_token_ids, self.pool = vocab, max_tokens, stop_ids, pool
         self.reseed(0)
 
     def reseed(self, seed: int, rank: int = 0) -> None:
         rng = np.random.default_rng([seed, rank])
-        self._lengths = rng.integers(1, self.max_tokens + 1, size=self.POOL).tolist()
-        self._ids = rng.integers(4, self.vocab, size=self.POOL + self.max_tokens).tolist()
-        self._logprobs = (-rng.random(self.POOL + self.max_tokens)).tolist()
+        self._lengths = rng.integers(1, self.max_tokens + 1, size=self.pool).tolist()
+        self._ids = rng.integers(4, self.vocab, size=self.pool + self.max_tokens).tolist()
+        self._logprobs = (-rng.random(self.pool + self.max_tokens)).tolist()
         self._next = 0
 
     async def agenerate(self, prompt_ids, sampling_params=None):
         i = self._next
-        self._next = (i + 1) % self.POOL
+        self._next = (i + 1) % self.pool
         end = i + self._lengths[i]
         return self._ids[i:end], self._logprobs[i:end]
 
@@ -113,7 +111,8 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     t.store = ShardedStore(LocalStore())
     t.bridge, t.ref_bridge = StoreBridge(None, t.store), None
     t.replay = ReplayBuffer(t.store, "train", failure_policy=cfg.replay.failure_policy)
-    t.rollout = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer))
+    t.rollout = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer),
+                                 pool=size)
     t.agent_loop = build_agent_loop(cfg.rollout.agent_loop, t.rollout.agenerate, tokenizer=t.tokenizer,
                                     max_response_length=cfg.data.max_response_length)
     t.reward_manager = build_reward_manager(
@@ -145,7 +144,7 @@ def one_step(t, step: int, on_stage=None) -> dict[str, float]:
         if world > 1:
             dist.barrier()
         if on_stage is not None:
-            on_stage(name.removesuffix("_fetch"))
+            on_stage(name.removesuffix("_fetch").removesuffix("_finish"))
         t0 = time.perf_counter()
         out = fn(*args)
         times[name] = time.perf_counter() - t0
@@ -169,17 +168,14 @@ def one_step(t, step: int, on_stage=None) -> dict[str, float]:
                                                        "ref_log_prob": old["old_log_probs"] - 0.1},
                                                       batch_size=[len(share)]))
     t.store.sync()
-    timed("kl", lambda: st.metrics.update(t._kl_metrics(st.mine, inputs)))
+    timed("kl", t._kl_metrics, st.mine, inputs, st.stats)
     timed("advantage", t._compute_advantage, full, st)
-
-    def metrics():
-        st.metrics.update(t._sample_metrics(st.own, st.own_pad))
-        m = t._finish(st, 1.0)
-        t.metrics.log(step + 1, m)
-
-    timed("metrics", metrics)
+    timed("metrics", t._sample_metrics, st.own, st.own_pad, st.stats)
     timed("clear", t._clear, full, st)
     timed("gc", t._collect_garbage, None, st)
+    # the trainer reduces the step's metrics once at its end (one collective) and logs them
+    timed("metrics_finish", lambda: t.metrics.log(step + 1, t._finish(st, 1.0)))
+    times["metrics"] += times.pop("metrics_finish")
     return times
 
 

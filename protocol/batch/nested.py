@@ -29,8 +29,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
+# torch's jagged-layout tensor class: an isinstance check and its fields cost ~0.1 us, where the public accessors
+# (``t.layout``, ``values()``, ``is_contiguous()``) each pass through its Python dispatch (~25-35 us)
+from torch.nested._internal.nested_tensor import NestedTensor as _Jagged
+from torch.nested._internal.nested_tensor import _store_val_in_tensor
 
 __all__ = [
     "NestedShapeError",
@@ -40,11 +45,13 @@ __all__ = [
     "strided_nested",
     "to_nested",
     "nested_from_values",
+    "nested_from_lengths",
     "nested_lengths",
     "nested_offsets",
     "nested_values",
     "padded_to_jagged",
     "jagged_to_padded",
+    "jagged_parts",
     "response_to_nested",
     "response_from_nested",
     "PackedBatch",
@@ -70,7 +77,16 @@ class NestedLayoutError(TypeError, AssertionError):
 
 def is_jagged(t: object) -> bool:
     """True for a ``torch.nested`` tensor with jagged layout (the store's per-sample variable-length form)."""
-    return isinstance(t, Tensor) and t.is_nested and t.layout == torch.jagged
+    return isinstance(t, _Jagged)
+
+
+def _records_grad(t: Tensor) -> bool:
+    """Whether an op on ``t`` records autograd history: only then must values be read through the view-tracking
+    public calls (a jagged tensor's own ``_values`` carry no graph back to it)."""
+    if not torch.is_grad_enabled():
+        return False
+    with torch._C.DisableTorchFunctionSubclass():  # the plain attribute, not the jagged tensor's dispatch
+        return t.requires_grad
 
 
 def is_strided_nested(t: object) -> bool:
@@ -95,7 +111,7 @@ def strided_nested(components: Sequence[Tensor], *, dtype: torch.dtype | None = 
 
 
 def _check_jagged(nt: Tensor, name: str = "nt") -> None:
-    if not is_jagged(nt):
+    if not isinstance(nt, _Jagged):
         found = f"{type(nt).__name__}" if not isinstance(nt, Tensor) else f"tensor with layout {nt.layout}"
         raise NestedLayoutError(f"{name}: expected a jagged nested tensor (layout=torch.jagged), found {found}")
     if nt._ragged_idx != 1:
@@ -151,7 +167,42 @@ def nested_from_values(values: Tensor, offsets: Tensor) -> Tensor:
         min_len, max_len = int(lengths.min()), int(lengths.max())
     else:
         min_len = max_len = 0
-    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min_len, max_seqlen=max_len)
+    return _jagged(values, offsets, min_len, max_len)
+
+
+def nested_from_lengths(values: Tensor, lengths: np.ndarray) -> Tensor:
+    """Jagged tensor cutting ``values`` ``[T, ...]`` into rows of ``lengths`` (a non-negative int64 numpy array that
+    sums to ``T``), for callers that computed the lengths themselves: the checks of :func:`nested_from_values`
+    become one sum, and the offsets and min/max lengths come from numpy.
+
+    >>> nested_from_lengths(torch.arange(3), np.array([2, 0, 1])).offsets().tolist()
+    [0, 2, 2, 3]
+    """
+    if lengths.dtype != np.int64 or lengths.ndim != 1 or int(lengths.sum()) != values.shape[0] or \
+            (lengths.size and int(lengths.min()) < 0):
+        return nested_from_values(values, _offsets_np(lengths.astype(np.int64, copy=False)))  # names the problem
+    offsets = _offsets_np(lengths)
+    if not lengths.size:
+        return _jagged(values, offsets, 0, 0)
+    return _jagged(values, offsets, int(lengths.min()), int(lengths.max()))
+
+
+def _offsets_np(lengths: np.ndarray) -> Tensor:
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return torch.from_numpy(offsets)
+
+
+def _jagged(values: Tensor, offsets: Tensor, min_len: int, max_len: int) -> Tensor:
+    """A jagged tensor over checked ``values`` / ``offsets`` with its min/max length cached.
+
+    Without autograd history to keep, it is built the way torch's own view op builds it, minus that op's dispatch
+    (a third of the cost); values that record gradients go through the public view, so gradients reach them.
+    """
+    if _records_grad(values):
+        return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min_len, max_seqlen=max_len)
+    return _Jagged(values, offsets, _ragged_idx=1, _metadata_cache={"min_seqlen": _store_val_in_tensor(min_len),
+                                                                    "max_seqlen": _store_val_in_tensor(max_len)})
 
 
 def to_nested(tensors: Sequence[Tensor], *, dtype: torch.dtype | None = None,
@@ -200,22 +251,38 @@ def to_nested(tensors: Sequence[Tensor], *, dtype: torch.dtype | None = None,
 
 
 def _contiguous(nt: Tensor) -> Tensor:
-    # A jagged tensor with holes (``lengths()`` set, e.g. from narrow) is compacted so values/offsets describe it.
-    if nt._lengths is not None or not nt.is_contiguous():
+    # A jagged tensor with holes (``lengths()`` set, e.g. from narrow) is compacted so values/offsets describe it;
+    # the test is the jagged ``is_contiguous`` itself: no holes and contiguous values
+    if nt._lengths is not None or not nt._values.is_contiguous():
         nt = nt.contiguous()
     return nt
 
 
+def _values_of(nt: Tensor) -> Tensor:
+    return nt.values() if _records_grad(nt) else nt._values
+
+
+def jagged_parts(nt: Tensor) -> tuple[Tensor, Tensor]:
+    """``(values [T, ...], int64 offsets [n + 1])`` of a jagged tensor, compacting it first if it has holes.
+
+    >>> v, o = jagged_parts(to_nested([torch.ones(2), torch.ones(1)]))
+    >>> v.shape, o.tolist()
+    (torch.Size([3]), [0, 2, 3])
+    """
+    _check_jagged(nt)
+    nt = _contiguous(nt)
+    offsets = nt._offsets
+    return _values_of(nt), offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
+
+
 def nested_offsets(nt: Tensor) -> Tensor:
     """Int64 offsets ``[n + 1]`` of a jagged tensor, compacting it first if it has holes."""
-    _check_jagged(nt)
-    return _contiguous(nt).offsets().to(torch.int64)
+    return jagged_parts(nt)[1]
 
 
 def nested_values(nt: Tensor) -> Tensor:
     """All components of a jagged tensor back to back (``[T, ...]``), compacting it first if it has holes."""
-    _check_jagged(nt)
-    return _contiguous(nt).values()
+    return jagged_parts(nt)[0]
 
 
 def nested_lengths(nt: Tensor) -> Tensor:
@@ -223,7 +290,7 @@ def nested_lengths(nt: Tensor) -> Tensor:
     _check_jagged(nt)
     if nt._lengths is not None:
         return nt._lengths.to(torch.int64)
-    return nt.offsets().diff().to(torch.int64)
+    return nt._offsets.diff().to(torch.int64)
 
 
 def padded_to_jagged(padded: Tensor, lengths: Tensor) -> Tensor:
@@ -245,7 +312,8 @@ def padded_to_jagged(padded: Tensor, lengths: Tensor) -> Tensor:
         raise NestedShapeError(f"lengths[{i}] = {int(lengths[i])} exceeds the padded width L = {width} "
                                f"(sample {i} would read past its row)")
     keep = torch.arange(width, device=padded.device).unsqueeze(0) < lengths.unsqueeze(1)
-    return nested_from_values(padded[keep], _offsets_from_lengths(lengths))
+    lo, hi = (int(lengths.min()), int(lengths.max())) if n else (0, 0)  # lengths are checked: 0 <= len <= L
+    return _jagged(padded[keep], _offsets_from_lengths(lengths), lo, hi)
 
 
 def jagged_to_padded(nt: Tensor, pad_value: float | int | bool = 0, max_len: int | None = None) -> Tensor:
@@ -254,9 +322,8 @@ def jagged_to_padded(nt: Tensor, pad_value: float | int | bool = 0, max_len: int
     >>> jagged_to_padded(to_nested([torch.ones(1), torch.ones(2)]), max_len=3).tolist()
     [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
     """
-    _check_jagged(nt)
-    nt = _contiguous(nt)
-    lengths = nested_lengths(nt)
+    values, offsets = jagged_parts(nt)
+    lengths = offsets.diff()
     longest = int(lengths.max()) if lengths.numel() else 0
     if max_len is None:
         width = longest
@@ -268,10 +335,9 @@ def jagged_to_padded(nt: Tensor, pad_value: float | int | bool = 0, max_len: int
             raise NestedShapeError(f"max_len = {max_len} is shorter than the longest sample "
                                    f"(sample {i} has length {longest}); nothing may be truncated")
         width = max_len
-    values = nt.values()
     n = lengths.numel()
     rows = torch.repeat_interleave(torch.arange(n, device=values.device), lengths)
-    cols = torch.arange(values.shape[0], device=values.device) - torch.repeat_interleave(nt.offsets()[:-1], lengths)
+    cols = torch.arange(values.shape[0], device=values.device) - torch.repeat_interleave(offsets[:-1], lengths)
     out = values.new_full((n, width, *values.shape[1:]), pad_value)
     return out.index_put((rows, cols), values)
 

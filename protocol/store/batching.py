@@ -13,6 +13,7 @@ buffer per field of each put (:mod:`protocol.store.columns`) and joins rows by t
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from protocol.batch.nested import nested_from_values
+from protocol.batch.nested import is_jagged, jagged_parts, nested_from_values
 from .errors import FieldShapeError, preview
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "single_key_fields",
     "assemble_field",
     "assemble_batch",
+    "batch_of",
     "same_value",
     "nbytes",
     "normalize_tag",
@@ -58,12 +60,10 @@ def jagged_rows(nt: torch.Tensor) -> list[torch.Tensor]:
     Same result as ``nt.unbind(0)``, without the nested tensor's per-component checks; indexing ``nt[i]`` per
     component would instead unbind the whole tensor each time (quadratic in the batch).
     """
-    if nt.layout != torch.jagged:
+    if not is_jagged(nt):
         return list(nt.unbind(0))
-    if nt._lengths is not None or not nt.is_contiguous():
-        nt = nt.contiguous()
-    values = nt.values()
-    lengths = nt.offsets().diff().tolist()
+    values, offsets = jagged_parts(nt)
+    lengths = offsets.diff().tolist()
     return list(torch.split(values, lengths, 0)) if lengths else []
 
 
@@ -174,6 +174,25 @@ def assemble_field(name: str, parts: Sequence[torch.Tensor], jagged: bool = Fals
     torch.cumsum(lengths, 0, out=offsets[1:])
     values = torch.cat(list(parts), 0)
     return nested_from_values(values, offsets)
+
+
+def batch_of(fields: Mapping[str, Any], n: int) -> TensorDict:
+    """A TensorDict ``[n]`` of ``fields``, for values a store or stage built with dim 0 = ``n``.
+
+    Dim 0 is checked on the tensors' own attributes; tensordict's per-value validation reads a jagged tensor's
+    shape through its Python dispatch (~25 us a field), so the checked batch is built without it. Anything else
+    (not a tensor, a wrong dim 0) goes to the TensorDict constructor, which names the problem.
+    """
+    ok = all(map(_leads_with, fields.values(), itertools.repeat(n)))
+    if ok and hasattr(TensorDict, "_new_unsafe"):
+        return TensorDict._new_unsafe(dict(fields), batch_size=torch.Size([n]))
+    return TensorDict(dict(fields), batch_size=[n])
+
+
+def _leads_with(value: Any, n: int) -> bool:
+    if is_jagged(value):
+        return value._offsets.shape[0] == n + 1
+    return type(value) is torch.Tensor and value.dim() >= 1 and value.shape[0] == n
 
 
 def assemble_batch(n: int, columns: Mapping[str, Sequence[torch.Tensor]], jagged: Iterable[str] = ()) -> TensorDict:

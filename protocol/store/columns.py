@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from protocol.batch.nested import nested_from_values
+from protocol.batch.nested import is_jagged, jagged_parts, nested_from_lengths
 from protocol.checks import only_types
 from .batching import assemble_field, batch_fields, own_copy as _own
 from .errors import FieldShapeError, preview
@@ -157,14 +157,13 @@ def _field_column(name: str, value: Any, keys: list[str]) -> Rows:
     """The columns and the ``(column, row)`` of each key for one batched field (dim 0 = keys), copied once."""
     n = len(keys)
     if isinstance(value, torch.Tensor):
-        if value.is_nested and value.layout == torch.jagged:
-            if value._lengths is not None or not value.is_contiguous():
-                value = value.contiguous()
-            offsets = value.offsets().tolist()
+        if is_jagged(value):
+            values, offsets = jagged_parts(value)
+            offsets = offsets.tolist()
             if len(offsets) - 1 != n:
                 raise FieldShapeError(f"field {name!r}: batch dim 0 has {len(offsets) - 1} entries, expected {n} "
                                       f"(one per key)")
-            return _all_rows(Column(name, _own(value.values()), offsets, keys))
+            return _all_rows(Column(name, _own(values), offsets, keys))
         if value.is_nested:  # strided layout: components may differ in any dim
             return _field_column(name, list(value.unbind(0)), keys)
         if value.dim() == 0:
@@ -254,7 +253,7 @@ def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = F
         values, _ = _rows_of(refs, cols, None)
         if not jagged:
             return values.reshape(n, *shape)
-        return nested_from_values(values.reshape(-1, *shape[1:]), torch.arange(n + 1, dtype=torch.int64) * shape[0])
+        return nested_from_lengths(values.reshape(-1, *shape[1:]), np.full(n, shape[0], dtype=np.int64))
     # rows of ndim >= 1 that share their trailing dims: join tokens, then decide dense or jagged
     rest = {c.values.shape[1:] if c.offsets is not None else c.values.shape[2:] for c in cols}
     if len(rest) != 1 or any(c.values.dim() < 2 for c in dense):
@@ -263,6 +262,4 @@ def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = F
     values, lengths = _rows_of(refs, cols, trail)
     if not jagged and lengths.min() == lengths.max():
         return values.reshape(n, int(lengths[0]), *trail)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return nested_from_values(values, torch.from_numpy(offsets))
+    return nested_from_lengths(values, lengths)

@@ -41,7 +41,7 @@ from .base import (
     check_tags,
     missing_error,
 )
-from .batching import same_value
+from .batching import batch_of, same_value
 from .columns import Column, columns_of_put, gather_field
 from .errors import FieldOverwriteError, LateWriteError, StoreClosedError, preview
 
@@ -209,8 +209,7 @@ class LocalStore(KVStore):
                 raise missing_error(op, partition_id, absent, "(key, field) pair(s)") from None
         # stored buffers are never mutated in place, so joining rows outside the lock is safe
         jagged = set(jagged)
-        return TensorDict({f: gather_field(f, refs, f in jagged) for f, refs in columns.items()},
-                          batch_size=[len(keys)])
+        return batch_of({f: gather_field(f, refs, f in jagged) for f, refs in columns.items()}, len(keys))
 
     def kv_batch_get_tags(self, keys: Sequence[str], partition_id: str) -> list[dict]:
         op = "kv_batch_get_tags"

@@ -1,10 +1,12 @@
-"""torchrun worker: distributed_masked_stats over 2 ranks equals masked_stats over the union."""
+"""torchrun worker: distributed_masked_stats and StepStats over 2 ranks equal masked_stats over the union; the step's
+small collectives (gather_objects, check_same_everywhere, global_sums) give every rank the same answer."""
 import math
 
 import torch
 import torch.distributed as dist
 
-from rldispatch.metrics import MetricsError, distributed_masked_stats, masked_stats
+from rldispatch.collectives import INLINE_BYTES, check_same_everywhere, gather_objects
+from rldispatch.metrics import MetricsError, StepStats, distributed_masked_stats, global_sums, masked_stats
 
 
 def main() -> None:
@@ -31,8 +33,68 @@ def main() -> None:
         assert "all 2 ranks" in str(exc)
     else:
         raise SystemExit("expected MetricsError")
+    step_stats(rank, values, pad, split)
+    collectives(rank)
     dist.barrier()
     print("OK", rank)
+
+
+def step_stats(rank: int, values: torch.Tensor, pad: torch.Tensor, split: list[slice]) -> None:
+    """One reduce of many metrics equals one collective per metric; a name on one rank is that rank's alone."""
+    mine = split[rank]
+    s = StepStats()
+    s.masked("r", values[mine], pad[mine])
+    s.masked("only_mean", values[mine] * 2, pad[mine], keep=("mean",))
+    s.sum("n", float((~pad[mine]).sum()))
+    s.per_rank("bytes", 10.0 * (rank + 1))
+    if rank == 1:
+        s.masked("extra", torch.tensor([4.0, 6.0]))
+        s.sum("late", 5.0)
+    got = s.reduce()
+    want = {**distributed_masked_stats(values[mine], pad[mine], "r"),
+            "only_mean/mean": distributed_masked_stats(values[mine] * 2, pad[mine], "x")["x/mean"],
+            "n": float((~pad).sum()), "bytes/rank0": 10.0, "bytes/rank1": 20.0, "bytes/max": 20.0,
+            "extra/mean": 5.0, "extra/std": 1.0, "extra/min": 4.0, "extra/max": 6.0, "late": 5.0}
+    assert got == want, (got, want)  # the same floats: the same moments combined in the same rank order
+    if rank == 0:
+        s2 = StepStats()
+        s2.per_rank("bytes", 1.0)
+    else:
+        s2 = StepStats()
+    try:
+        s2.reduce()
+    except MetricsError as exc:
+        assert "ranks [1] did not record" in str(exc)
+    else:
+        raise SystemExit("expected MetricsError for a per-rank value one rank did not record")
+    s3 = StepStats()
+    s3.masked("p", torch.ones(2), torch.ones(2, dtype=torch.bool))
+    try:
+        s3.reduce()
+    except MetricsError as exc:
+        assert "all 2 ranks" in str(exc)
+    else:
+        raise SystemExit("expected MetricsError when every sample is padding")
+
+
+def collectives(rank: int) -> None:
+    """Small objects take one round trip, a large one on either rank two; each rank's own entry is its object."""
+    small = {"rank": rank, "keys": [f"k{i}" for i in range(rank + 3)]}
+    got = gather_objects(small)
+    assert got == [{"rank": r, "keys": [f"k{i}" for i in range(r + 3)]} for r in range(2)], got
+    assert got[rank] is small
+    big = bytes(range(256)) * (INLINE_BYTES // 128) if rank == 1 else b"x"  # > INLINE_BYTES pickled on rank 1
+    got = gather_objects(big)
+    assert got[0] == b"x" and got[1] == bytes(range(256)) * (INLINE_BYTES // 128)
+    assert gather_objects(None) == [None, None]
+    check_same_everywhere(["a", "b"], "keys")
+    try:
+        check_same_everywhere(["a", "b"] if rank == 0 else ["b", "a"], "the step's key order")
+    except RuntimeError as exc:
+        assert "the step's key order differs between ranks" in str(exc) and "ranks [1]" in str(exc), exc
+    else:
+        raise SystemExit("expected a divergence error on every rank")
+    assert global_sums([1.0 + rank, 0.25]) == [3.0, 0.5]
 
 
 if __name__ == "__main__":

@@ -10,23 +10,55 @@ def test_dataplane_two_ranks(torchrun):
 
 def test_a_transfer_packs_one_tensor_per_field():
     """What a rank sends for a field is one tensor and its offsets, whatever the number of keys (no key list: the
-    receiver knows the sender's order from the replicated locations); unpacking gives every key's row back."""
+    receiver knows the sender's order from the replicated locations); a wrong row count is refused by name."""
     import torch
 
     from protocol.batch.nested import to_nested
-    from rldispatch.dataplane import DataPlaneError, _pack, _unpack
+    from rldispatch.dataplane import DataPlaneError, _join, _pack
 
     rows = [torch.arange(n, dtype=torch.float32) for n in (3, 0, 5, 1)]
     flat, offsets = _pack(to_nested(rows))
     assert isinstance(flat, torch.Tensor) and not flat.is_nested and offsets.tolist() == [0, 3, 3, 8, 9]
-    col = _unpack("x", ["a", "b", "c", "d"], flat, offsets)
-    assert all(torch.equal(col.row(i), r) for i, r in enumerate(rows))
+    got = _join("x", list("abcd"), [(list("abcd"), flat, offsets)])
+    assert [r.tolist() for r in got.unbind()] == [r.tolist() for r in rows]
     dense = torch.arange(6.0).reshape(3, 2)
     flat, offsets = _pack(dense)
-    assert offsets is None and [_unpack("y", ["a", "b", "c"], flat, None).row(i).tolist() for i in range(3)] \
-        == dense.tolist()
+    assert offsets is None and flat is dense
     with pytest.raises(DataPlaneError, match="'y'.*3 values for 2 keys"):
-        _unpack("y", ["a", "b"], flat, None)
+        _join("y", ["a", "b"], [(["a", "b"], flat, None)])
+
+
+def test_a_message_carries_every_dtype_and_shape_bit_exact():
+    """The wire format (JSON header + raw bytes, no pickle) gives back each field's values and offsets exactly,
+    bf16 / bool / complex / empty / non-contiguous values included; an unknown dtype in a header is refused."""
+    import json
+
+    import torch
+
+    from rldispatch.dataplane import DataPlaneError, _decode, _encode
+
+    payload = {"bf16": (torch.randn(5, 3).to(torch.bfloat16), torch.tensor([0, 2, 5])),
+               "bool": (torch.tensor([True, False, True]), None),
+               "empty": (torch.zeros(0, 4, dtype=torch.float64), torch.tensor([0, 0])),
+               "int8": (torch.arange(7, dtype=torch.int8), None),
+               "complex": (torch.randn(3, dtype=torch.complex64), None),
+               "strided": (torch.randn(4, 2)[:, 0], torch.tensor([0, 1, 4]))}
+    msg = _encode(payload)
+    assert msg.dtype == torch.uint8 and msg.dim() == 1
+    got = _decode(msg.clone())
+    assert list(got) == list(payload)
+    for name, (values, offsets) in payload.items():
+        v, o = got[name]
+        assert v.dtype == values.dtype and v.shape == values.shape and torch.equal(v, values), name
+        assert (o is None) == (offsets is None) and (o is None or torch.equal(o, offsets)), name
+    n = int(msg[:8].view(torch.int64)[0])
+    header = json.loads(bytes(msg[8:8 + n].numpy()))
+    header[0][1] = "nn"
+    forged = json.dumps(header).encode().ljust(n)
+    bad = msg.clone()
+    bad[8:8 + n] = torch.frombuffer(bytearray(forged), dtype=torch.uint8)
+    with pytest.raises(DataPlaneError, match="unknown dtype 'nn'"):
+        _decode(bad)
 
 
 def test_joining_what_holders_sent_follows_the_one_length_rule():
@@ -35,17 +67,18 @@ def test_joining_what_holders_sent_follows_the_one_length_rule():
     import torch
 
     from protocol.batch.nested import to_nested
-    from rldispatch.dataplane import _join, _pack, _unpack
+    from rldispatch.dataplane import _as_joined, _join, _pack
 
     rows = {k: torch.arange(n, dtype=torch.int64) + 10 * i for i, (k, n) in enumerate(zip("abcde", (3, 0, 2, 2, 4)))}
-    cols = [_unpack("x", ks, *_pack(to_nested([rows[k] for k in ks]))) for ks in (["a", "c", "e"], ["b", "d"])]
-    for order, held in ((list("acebd"), cols), (list("bdace"), cols[::-1]), (list("ace"), cols[:1])):
+    sent = [(ks, *_pack(to_nested([rows[k] for k in ks]))) for ks in (["a", "c", "e"], ["b", "d"])]
+    for order, held in ((list("acebd"), sent), (list("bdace"), sent[::-1]), (list("ace"), sent[:1])):
         got = _join("x", order, held)
         assert got.is_nested and [r.tolist() for r in got.unbind()] == [rows[k].tolist() for k in order]
-    same = _unpack("y", ["a", "b"], *_pack(torch.arange(6.0).reshape(2, 3)))  # dense [2, 3]: rows of one length
-    got = _join("y", ["a", "b"], [same])
-    assert got.is_nested and [r.tolist() for r in got.unbind()] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
-    scalars = _unpack("s", ["a", "b"], *_pack(torch.tensor([1.5, 2.5])))
+    same = (["a", "b"], *_pack(torch.arange(6.0).reshape(2, 3)))  # dense [2, 3]: rows of one length
+    for got in (_join("y", ["a", "b"], [same]), _as_joined(torch.arange(6.0).reshape(2, 3))):
+        assert got.is_nested and [r.tolist() for r in got.unbind()] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    scalars = (["a", "b"], *_pack(torch.tensor([1.5, 2.5])))
     assert _join("s", ["a", "b"], [scalars]).tolist() == [1.5, 2.5]
-    other = _unpack("s", ["c"], *_pack(torch.tensor([0.5])))
+    assert _as_joined(torch.tensor([1.5, 2.5])).tolist() == [1.5, 2.5]
+    other = (["c"], *_pack(torch.tensor([0.5])))
     assert _join("s", ["c", "a", "b"], [scalars, other]).tolist() == [0.5, 1.5, 2.5]

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from rldispatch.metrics import (
-    MetricsError, MetricsLogger, Timer, length_stats, masked_stats, read_metrics, sample_lengths, to_float_dict,
+    MetricsError, MetricsLogger, StepStats, Timer, _combine_moments, _local_moments, length_stats, masked_stats,
+    read_metrics, sample_lengths, to_float_dict,
 )
 
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
@@ -35,6 +36,46 @@ def test_masked_stats_excludes_padding(data):
     # padding values, however extreme, change nothing
     poisoned = [1e30 if p else v for v, p in data]
     assert masked_stats(poisoned, pad, "reward") == out
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.lists(st.tuples(finite, st.booleans()), min_size=1, max_size=40),
+       cuts=st.lists(st.integers(0, 40), max_size=4))
+def test_combined_moments_of_any_split_equal_the_union(data, cuts):
+    """Ranks' shares combined by Chan's formula give masked_stats of all the samples, however they are split (empty
+    and all-padding shares included). Both sides sum n <= 40 terms of magnitude <= M = max|x| (squares <= M^2) in
+    float64, so each differs from the exact value by at most ~n * eps times that: min/max are exact, the mean within
+    4 n eps M and the variance within 16 n eps M^2."""
+    values = [v for v, _ in data]
+    pad = [p for _, p in data]
+    bounds = [0, *sorted(min(c, len(data)) for c in cuts), len(data)]
+    shares = [_local_moments(values[a:b], pad[a:b], "r") for a, b in zip(bounds, bounds[1:])]
+    if all(p for p in pad):
+        with pytest.raises(MetricsError, match=f"all {len(shares)} ranks"):
+            _combine_moments(shares, "r")
+        return
+    got, want = _combine_moments(shares, "r"), masked_stats(values, pad, "r")
+    n, big = len(data), max(abs(v) for v in values)
+    eps = np.finfo(np.float64).eps
+    assert got["r/min"] == want["r/min"] and got["r/max"] == want["r/max"]
+    assert abs(got["r/mean"] - want["r/mean"]) <= 4 * n * eps * big
+    assert abs(got["r/std"] ** 2 - want["r/std"] ** 2) <= 16 * n * eps * big ** 2
+
+
+def test_step_stats_without_a_process_group_reduce_this_process():
+    """Outside torch.distributed a step's metrics are this process's own: the same as masked_stats and plain sums;
+    a name recorded twice in one step is an error."""
+    s = StepStats()
+    s.masked("r", [1.0, 2.0, 9.0], [False, False, True])
+    s.masked("e", [4.0, 6.0], keep=("mean",))
+    s.sum("n", 3.0)
+    s.per_rank("bytes", 7.0)
+    assert s.reduce() == {**masked_stats([1.0, 2.0, 9.0], [False, False, True], "r"), "e/mean": 5.0, "n": 3.0,
+                          "bytes/rank0": 7.0, "bytes/max": 7.0}
+    with pytest.raises(MetricsError, match="n: recorded twice"):
+        s.sum("n", 1.0)
+    with pytest.raises(MetricsError, match="r: recorded twice"):
+        s.masked("r", [1.0])
 
 
 def test_masked_stats_edges():
