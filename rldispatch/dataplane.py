@@ -202,7 +202,7 @@ class ShardedStore(StepStore):
         """The rank holding ``field`` of each of ``keys`` (one pass; a key or field no rank holds is named)."""
         held = self._where.get(partition_id, {}).get(field, {})
         try:
-            return [held[k] for k in keys]
+            return list(map(held.__getitem__, keys))
         except KeyError:
             for k in keys:
                 self.location(k, field, partition_id)
@@ -246,10 +246,16 @@ class ShardedStore(StepStore):
         for dst, (part, want, names) in enumerate(requests):
             by_field = held_here.get(self.rank, {}) if dst == self.rank else \
                 self._holders(part, want, names).get(self.rank, {})
-            packed = {f: _pack(self.local.kv_batch_get(ks, part, select_fields=[f]).get(f))
-                      for f, ks in by_field.items() if not (dst == self.rank and f in whole)}
+            reads: dict[int, tuple[list[str], list[str]]] = {}  # one read per key list (fields held together)
+            for f, ks in by_field.items():
+                if not (dst == self.rank and f in whole):
+                    reads.setdefault(id(ks), (ks, []))[1].append(f)
+            packed = {}
+            for ks, names_here in reads.values():
+                td = self.local.kv_batch_get(ks, part, select_fields=names_here)
+                packed.update({f: _pack(td.get(f)) for f in names_here})
             if packed:
-                outgoing[dst] = packed
+                outgoing[dst] = {f: packed[f] for f in by_field if f in packed}
         received = self._exchange(outgoing)
         if not keys:
             return TensorDict({}, batch_size=[0])
@@ -274,21 +280,28 @@ class ShardedStore(StepStore):
                  ) -> dict[int, dict[str, list[str]]]:
         """Rank -> field -> those of ``keys`` whose value of the field that rank holds, in the order of ``keys``."""
         out: dict[int, dict[str, list[str]]] = {}
+        seen: list[tuple[list[int], dict[int, list[str]]]] = []  # fields written together share one split
         for f in fields:
             ranks = self._ranks_of(keys, partition_id, f)
-            held = set(ranks)
-            if len(held) == 1:  # the common case: one rank holds the field of every key
-                out.setdefault(ranks[0], {})[f] = list(keys)
-                continue
-            at = np.array(ranks)
-            for r in sorted(held):
-                out.setdefault(r, {})[f] = list(itertools.compress(keys, (at == r).tolist()))
+            split = next((sp for known, sp in seen if known == ranks), None)
+            if split is None:
+                held = set(ranks)
+                if len(held) == 1:  # the common case: one rank holds the field of every key
+                    split = {ranks[0]: list(keys)}
+                else:
+                    split = {r: list(itertools.compress(keys, map(r.__eq__, ranks))) for r in sorted(held)}
+                seen.append((ranks, split))
+            for r, ks in split.items():
+                out.setdefault(r, {})[f] = ks
         return out
 
     # ---- internals --------------------------------------------------------------------------------------
     def _apply(self, src: int, update: tuple[str, list[str], list[dict] | None, list[str]]) -> None:
+        """Record ``src``'s write; a peer's tags arrive unpickled (objects no one else holds) and are kept as they
+        are, this rank's own are copied (its pending list keeps the originals until the next sync)."""
         partition_id, keys, tags, names = update
         view = self._tags[partition_id]
+        own = src == self.rank
         if tags is None:
             for key in keys:
                 view.setdefault(key, {})
@@ -296,7 +309,7 @@ class ShardedStore(StepStore):
             for key, tag in zip(keys, tags):
                 known = view.get(key)
                 if known is None:
-                    view[key] = dict(tag)
+                    view[key] = dict(tag) if own else tag
                 else:
                     known.update(tag)
         if names:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -131,8 +132,20 @@ def parse_trajectory_key(key: str) -> tuple[str, int, int]:
     return _parse(key)
 
 
+#: ``{uid}_{session_id}_{index}`` with canonical ASCII decimals: what :func:`trajectory_key` builds
+_CANONICAL = re.compile(r"([^_]+)_(0|[1-9][0-9]*)_(0|[1-9][0-9]*)")
+
+
 @functools.lru_cache(maxsize=1 << 16)  # a step parses each of its keys in several stages; a hit is one dict lookup
 def _parse(key: str) -> tuple[str, int, int]:
+    match = _CANONICAL.fullmatch(key)
+    if match is not None:  # the common case in one C-level pass; the checks below name what is wrong
+        uid, session_text, index_text = match.groups()
+        return uid, int(session_text), int(index_text)
+    return _parse_checked(key)
+
+
+def _parse_checked(key: str) -> tuple[str, int, int]:
     parts = key.split("_")
     if len(parts) != 3:
         raise KeyFormatError(

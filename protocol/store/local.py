@@ -144,8 +144,10 @@ class LocalStore(KVStore):
         if not any(e is not None and e.fields for e in entries):
             return conflicts, skips, holds
         for name, (_, refs) in columns.items():
-            for i, (key, entry) in enumerate(zip(keys, entries)):
-                old = entry.fields.get(name) if entry is not None else None
+            olds = [e.fields.get(name) if e is not None else None for e in entries]
+            if olds.count(None) == len(olds):  # a field new to every key (the common put): nothing to compare
+                continue
+            for i, (key, old) in enumerate(zip(keys, olds)):
                 if old is None:
                     continue
                 holds = True

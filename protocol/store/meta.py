@@ -153,8 +153,7 @@ class KVBatchMeta:
     def select_idxs(self, indices: Sequence[int]) -> "KVBatchMeta":
         """A new batch of the keys at ``indices`` (in that order; no repeats)."""
         idx = self._check_indices(indices, "select_idxs")
-        return KVBatchMeta(self.partition_id, [self.keys[i] for i in idx], [self.tags[i] for i in idx],
-                           self.extra_info)
+        return self._taken(idx)
 
     def reorder(self, indices: Sequence[int]) -> "KVBatchMeta":
         """A new batch whose position ``j`` holds old position ``indices[j]``; ``indices`` must be a permutation."""
@@ -162,8 +161,13 @@ class KVBatchMeta:
         if len(idx) != len(self.keys):
             raise MetaIndexError(f"reorder: indices must be a permutation of 0..{len(self.keys) - 1}; "
                              f"got {len(idx)} indices for {len(self.keys)} keys")
-        return KVBatchMeta(self.partition_id, [self.keys[i] for i in idx], [self.tags[i] for i in idx],
-                           self.extra_info)
+        return self._taken(idx)
+
+    def _taken(self, idx: Sequence[int]) -> "KVBatchMeta":
+        # positions checked (in range, no repeats) into a valid batch: only the copies are left to make
+        tags = self.tags
+        return KVBatchMeta.adopt(self.partition_id, [self.keys[i] for i in idx], [copy_tag(tags[i]) for i in idx],
+                                 copy_tag(self.extra_info))
 
     def chunk(self, chunks: int) -> list["KVBatchMeta"]:
         """Split into ``chunks`` consecutive pieces whose sizes differ by at most one (larger pieces first).

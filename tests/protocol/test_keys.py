@@ -36,6 +36,22 @@ def test_parse_is_inverse_of_build_on_any_string(key):
     assert trajectory_key(*parts) == key
 
 
+@settings(max_examples=500, deadline=None)
+@given(key=st.text(alphabet="ab_019²-٣ ", max_size=12))
+def test_the_one_pass_parse_agrees_with_the_checked_parse(key):
+    """The regular expression that parses the common case accepts exactly the keys the part-by-part checks accept,
+    with the same result (near-miss spellings: extra or missing parts, leading zeros, signs, non-ASCII digits)."""
+    from protocol.store.keys import _CANONICAL, _parse_checked
+
+    try:
+        want = _parse_checked(key)
+    except KeyFormatError:
+        want = None
+    match = _CANONICAL.fullmatch(key)
+    got = None if match is None else (match[1], int(match[2]), int(match[3]))
+    assert got == want
+
+
 def test_new_uid_is_hex_without_underscore_and_unique():
     uids_ = {new_uid() for _ in range(200)}
     assert len(uids_) == 200
