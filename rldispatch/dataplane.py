@@ -22,7 +22,7 @@ from protocol.batch.nested import is_jagged, jagged_parts, nested_from_lengths, 
 from protocol.store import KVStore, StepStore
 from protocol.store.columns import Column, gather_field
 from protocol.store.batching import batch_of
-from protocol.store.meta import copy_tag
+from protocol.store.meta import copy_tags
 from rldispatch.collectives import gather_objects
 
 __all__ = ["ShardedStore", "DataPlaneError"]
@@ -148,7 +148,7 @@ class ShardedStore(StepStore):
         meta = self.local.kv_batch_put(list(keys), partition_id, fields=fields, tags=list(tags) if tags else None,
                                        overwrite=overwrite)
         names = list(fields.keys()) if fields is not None else []
-        self._pending.append((partition_id, list(keys), [copy_tag(t) for t in tags] if tags else None, names))
+        self._pending.append((partition_id, list(keys), copy_tags(tags) if tags else None, names))
         self._apply(self.rank, self._pending[-1])
         return meta
 
@@ -158,7 +158,12 @@ class ShardedStore(StepStore):
         Keys come sorted, so every rank lists them in the same order (each rank learns its own writes first and
         the others' at sync; a plan built from insertion order would differ between ranks)."""
         parts = [partition_id] if partition_id is not None else sorted(self._tags)
-        return {p: {k: copy_tag(self._tags[p][k]) for k in sorted(self._tags.get(p, {}))} for p in parts}
+        out = {}
+        for p in parts:
+            view = self._tags.get(p, {})
+            order = sorted(view)
+            out[p] = dict(zip(order, copy_tags(map(view.__getitem__, order))))
+        return out
 
     def kv_clear(self, keys: Sequence[str], partition_id: str) -> int:
         """Drop keys everywhere they are known; every rank calls this with the same keys (deterministic).
@@ -187,7 +192,7 @@ class ShardedStore(StepStore):
         missing = [k for k in keys if k not in tags]
         if missing:
             raise DataPlaneError(f"{len(missing)} key(s) have no tag in partition {partition_id!r}: {missing[:5]}")
-        return [copy_tag(tags[k]) for k in keys]
+        return copy_tags(tags[k] for k in keys)
 
     kv_batch_get_tags = tags_of  # the store verb, so protocol code (agent loop, replay buffer) runs on this view
 

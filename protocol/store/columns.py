@@ -128,6 +128,10 @@ def _all_rows(col: Column) -> Rows:
     return [col], [(col, i) for i in range(len(col.keys))]
 
 
+_DTYPE, _IS_CPU, _DEVICE = (operator.attrgetter(a) for a in ("dtype", "is_cpu", "device"))
+_DIM = operator.methodcaller("dim")
+
+
 def _list_column(name: str, rows: list[torch.Tensor], keys: list[str]) -> Rows:
     """Rows given one tensor per key: one ragged or dense column when they fit one, else one column per key."""
     if not only_types(rows, _TENSOR):  # a subclass (Parameter) is looked at one by one
@@ -138,9 +142,9 @@ def _list_column(name: str, rows: list[torch.Tensor], keys: list[str]) -> Rows:
     first = rows[0]
     ndim = first.dim()
     # one dtype, device and ndim, and (ndim > 1) the same trailing dims; checked in that order because reading
-    # a shape or a device makes a Python object per row
-    uniform = len({(r.dtype, r.dim()) for r in rows}) == 1 and \
-        (all(r.is_cpu for r in rows) or len({r.device for r in rows}) == 1)
+    # a shape or a device makes a Python object per row (C-level maps: a put may hold every row of a step)
+    uniform = len(set(map(_DTYPE, rows))) == 1 and len(set(map(_DIM, rows))) == 1 and \
+        (all(map(_IS_CPU, rows)) or len(set(map(_DEVICE, rows))) == 1)
     if ndim >= 1 and uniform and (ndim == 1 or len({r.shape[1:] for r in rows}) == 1):
         offsets = [0, *itertools.accumulate(r.shape[0] for r in rows)]
         values = torch.cat(rows, 0).detach()

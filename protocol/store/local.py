@@ -30,7 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
-from .meta import KVBatchMeta, copy_tag
+from .meta import KVBatchMeta, copy_tag, copy_tags
 from .base import (
     DEFAULT_MAX_CLEARED_MARKS,
     ClearedMarks,
@@ -131,7 +131,7 @@ class LocalStore(KVStore):
                     entry.fields[name] = ref
             if unused:
                 self._release(unused, part)
-            return KVBatchMeta.adopt(partition_id, keys, [copy_tag(t) for t in out_tags])  # keys checked above
+            return KVBatchMeta.adopt(partition_id, keys, copy_tags(out_tags))  # keys checked above
 
     def _plan_field_writes(self, part: dict[str, _Entry], keys: list[str],
                            columns: Mapping[str, tuple[list[Column], list[tuple[Column, int]]]], overwrite: bool):
@@ -223,7 +223,7 @@ class LocalStore(KVStore):
             missing = [k for k in keys if k not in part]
             if missing:
                 raise missing_error(op, partition_id, missing)
-            return [copy_tag(part[k].tag) for k in keys]
+            return copy_tags(part[k].tag for k in keys)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]:
         self._check_open("kv_list")

@@ -19,13 +19,14 @@ Example::
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from protocol.checks import DICT, only_types, plain_keys
 
-__all__ = ["KVBatchMeta", "MetaKeyError", "MetaIndexError", "copy_tag"]
+__all__ = ["KVBatchMeta", "MetaKeyError", "MetaIndexError", "copy_tag", "copy_tags"]
 
 
 class MetaKeyError(KeyError):
@@ -58,6 +59,18 @@ def copy_tag(value: Any) -> Any:
     if kind is list:
         return [v if type(v) in _ATOMS else copy_tag(v) for v in value]
     return copy.deepcopy(value)
+
+
+def copy_tags(tags: Iterable[Any]) -> list[Any]:
+    """:func:`copy_tag` of each of ``tags``: dicts of atoms (nearly every trajectory tag) are copied and checked in
+    a few C-level passes over the whole list, the rest one by one."""
+    tags = list(tags)
+    if not only_types(tags, DICT):
+        return [copy_tag(t) for t in tags]
+    out = list(map(dict.copy, tags))
+    if only_types(itertools.chain.from_iterable(map(dict.values, out)), _ATOMS):
+        return out
+    return [o if only_types(o.values(), _ATOMS) else copy_tag(o) for o in out]
 
 
 def _preview(items: Sequence[Any], limit: int = 5) -> str:
@@ -108,7 +121,7 @@ class KVBatchMeta:
             raise ValueError(f"KVBatchMeta.keys must be unique; duplicated: {_preview(sorted(set(dups)))}")
         if not isinstance(self.extra_info, dict):
             raise TypeError(f"KVBatchMeta.extra_info must be a dict, got {type(self.extra_info).__name__}")
-        self.tags = [copy_tag(t) for t in self.tags]
+        self.tags = copy_tags(self.tags)
         self.extra_info = copy_tag(self.extra_info)
 
     @classmethod
@@ -166,7 +179,7 @@ class KVBatchMeta:
     def _taken(self, idx: Sequence[int]) -> "KVBatchMeta":
         # positions checked (in range, no repeats) into a valid batch: only the copies are left to make
         tags = self.tags
-        return KVBatchMeta.adopt(self.partition_id, [self.keys[i] for i in idx], [copy_tag(tags[i]) for i in idx],
+        return KVBatchMeta.adopt(self.partition_id, [self.keys[i] for i in idx], copy_tags(tags[i] for i in idx),
                                  copy_tag(self.extra_info))
 
     def chunk(self, chunks: int) -> list["KVBatchMeta"]:

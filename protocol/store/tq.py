@@ -36,7 +36,7 @@ import torch
 from tensordict import TensorDict
 
 from .keys import uid_of
-from .meta import KVBatchMeta, copy_tag
+from .meta import KVBatchMeta, copy_tag, copy_tags
 from .base import (
     DEFAULT_MAX_CLEARED_MARKS,
     ClearedMarks,
@@ -267,7 +267,7 @@ class TransferQueueStore(KVStore):
         meta, where, missing = self._lookup(keys, partition_id)
         if missing:
             raise missing_error(op, partition_id, missing)
-        return [copy_tag(meta.custom_meta[where[k]]) for k in keys]
+        return copy_tags(meta.custom_meta[where[k]] for k in keys)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]:
         self._check_open("kv_list")

@@ -154,6 +154,35 @@ def test_copy_tag_copies_every_container_and_keeps_atoms():
     assert tag["errors"][1]["why"] == [1, 2]
 
 
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=3),
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3),
+                     max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tags=st.lists(st.dictionaries(st.text(max_size=4), _json, max_size=4) | _json, max_size=6))
+def test_copy_tags_equals_copy_tag_of_each_and_shares_no_container(tags):
+    """The batch copy gives what copy_tag gives tag by tag (atom-only dicts, nested containers, non-dict values);
+    no dict or list of the result is one of the input's."""
+    from protocol.store.meta import copy_tag, copy_tags
+
+    out = copy_tags(iter(tags))
+    assert out == [copy_tag(t) for t in tags]
+
+    def containers(x):
+        if isinstance(x, dict):
+            yield x
+            for v in x.values():
+                yield from containers(v)
+        elif isinstance(x, list):
+            yield x
+            for v in x:
+                yield from containers(v)
+
+    before = {id(c) for t in tags for c in containers(t)}
+    assert not before & {id(c) for t in out for c in containers(t)}
+
+
 def test_adopt_holds_what_it_is_given_and_equals_the_checked_constructor():
     keys, tags = ["u_0_0", "u_1_0"], [{"seq_len": 3}, {"seq_len": 4}]
     meta = KVBatchMeta.adopt("train", keys, tags, {"uid": "u"})
