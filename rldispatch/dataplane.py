@@ -22,7 +22,7 @@ from protocol.batch.nested import is_jagged, jagged_parts, nested_from_lengths, 
 from protocol.store import KVStore, StepStore
 from protocol.store.columns import Column, gather_field
 from protocol.store.batching import batch_of
-from protocol.store.meta import copy_tags
+from protocol.store.meta import copy_tag, copy_tags
 from rldispatch.collectives import gather_objects
 
 __all__ = ["ShardedStore", "DataPlaneError"]
@@ -158,12 +158,7 @@ class ShardedStore(StepStore):
         Keys come sorted, so every rank lists them in the same order (each rank learns its own writes first and
         the others' at sync; a plan built from insertion order would differ between ranks)."""
         parts = [partition_id] if partition_id is not None else sorted(self._tags)
-        out = {}
-        for p in parts:
-            view = self._tags.get(p, {})
-            order = sorted(view)
-            out[p] = dict(zip(order, copy_tags(map(view.__getitem__, order))))
-        return out
+        return {p: {k: copy_tag(self._tags[p][k]) for k in sorted(self._tags.get(p, {}))} for p in parts}
 
     def kv_clear(self, keys: Sequence[str], partition_id: str) -> int:
         """Drop keys everywhere they are known; every rank calls this with the same keys (deterministic).

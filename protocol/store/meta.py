@@ -65,12 +65,9 @@ def copy_tags(tags: Iterable[Any]) -> list[Any]:
     """:func:`copy_tag` of each of ``tags``: dicts of atoms (nearly every trajectory tag) are copied and checked in
     a few C-level passes over the whole list, the rest one by one."""
     tags = list(tags)
-    if not only_types(tags, DICT):
-        return [copy_tag(t) for t in tags]
-    out = list(map(dict.copy, tags))
-    if only_types(itertools.chain.from_iterable(map(dict.values, out)), _ATOMS):
-        return out
-    return [o if only_types(o.values(), _ATOMS) else copy_tag(o) for o in out]
+    if only_types(tags, DICT) and only_types(itertools.chain.from_iterable(map(dict.values, tags)), _ATOMS):
+        return list(map(dict.copy, tags))
+    return [copy_tag(t) for t in tags]  # a mixed list: the per-tag copy, which looks inside only where needed
 
 
 def _preview(items: Sequence[Any], limit: int = 5) -> str:
