@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["INLINE_BYTES", "gather_objects", "check_same_everywhere"]
+__all__ = ["INLINE_BYTES", "gather_objects", "key_digest", "check_digests"]
 
 #: Pickled bytes an object may have to travel with its size in the first round trip; larger ones take a second.
 INLINE_BYTES = 16384
@@ -55,17 +55,18 @@ def _all_gather_bytes(buf: np.ndarray, world: int, group: Any, device: Any) -> l
     return [p.cpu().numpy() for p in parts]
 
 
-def check_same_everywhere(items: Sequence[str], what: str, device: Any = None, group: Any = None) -> None:
-    """Raise when ``items`` (a sequence of str) differ between ranks: one all-gather of an 8-byte digest.
+def key_digest(items: Sequence[str]) -> int:
+    """An 8-byte digest of an ordered sequence of str without newlines (store keys): equal on two ranks only if,
+    in practice, the sequences are."""
+    return int.from_bytes(hashlib.sha256("\n".join(items).encode()).digest()[:8], "little", signed=True)
 
-    Every rank must plan from the same ordered keys; a divergence would silently train on wrong shares.
-    """
-    digest = hashlib.sha256("\n".join(items).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    seen = [int(p.item()) for p in parts]
+
+def check_digests(seen: Sequence[int], what: str, count: int) -> None:
+    """Raise when the ranks' :func:`key_digest` values ``seen`` (indexed by rank) differ; ``count`` is how many items
+    this rank digested. Every rank must plan from the same ordered keys; a divergence would silently train on wrong
+    shares."""
     if len(set(seen)) > 1:
         differ = [r for r, d in enumerate(seen) if d != seen[0]]
-        raise RuntimeError(f"{what} differs between ranks (rank {dist.get_rank()} holds {len(items)} items; ranks "
+        raise RuntimeError(f"{what} differs between ranks (rank {dist.get_rank()} holds {count} items; ranks "
                            f"{differ} disagree with rank 0); the replicated tag view is out of sync")
+

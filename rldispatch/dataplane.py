@@ -222,17 +222,21 @@ class ShardedStore(StepStore):
         return self.local.read_local(keys, partition_id, fields)
 
     # ---- collectives ------------------------------------------------------------------------------------
-    def sync(self) -> None:
-        """Replicate the tags and value locations written since the last sync (all ranks call it)."""
+    def sync(self, also: Any = None) -> list[Any]:
+        """Replicate the tags and value locations written since the last sync (all ranks call it).
+
+        ``also`` (picklable) travels in the same round trip: every rank's ``also`` comes back, indexed by rank, so a
+        small check that must happen here anyway costs no collective of its own."""
         pending, self._pending = self._pending, []
         if self.world == 1:
-            return
-        gathered = gather_objects(pending, group=self.group, device=self.device)
-        for src, updates in enumerate(gathered):
+            return [also]
+        gathered = gather_objects((pending, also), group=self.group, device=self.device)
+        for src, (updates, _) in enumerate(gathered):
             if src == self.rank:
                 continue
             for update in updates:
                 self._apply(src, update)
+        return [extra for _, extra in gathered]
 
     def fetch(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
         """Collective: every rank gets the ``fields`` of its own ``keys`` (possibly none), in the order asked."""

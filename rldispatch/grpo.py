@@ -50,7 +50,7 @@ from protocol.store.keys import uid_of
 from protocol.rollout.tokenizer import check_vocab_fits, decode_response, load_tokenizer, resolve_tokenizer
 from rldispatch.bridge import StoreBridge
 from rldispatch.config import ConfigError, RunConfig
-from rldispatch.collectives import check_same_everywhere
+from rldispatch.collectives import check_digests, key_digest
 from rldispatch.run_dir import (RUN_RECORD, check_resume_config, checkpoint_candidates, claim_run_dir,
                                 write_run_record)
 from rldispatch.dataplane import ShardedStore
@@ -475,10 +475,10 @@ class GRPOTrainer:
     def _plan(self, meta: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         """Pad and plan (pure, the same on every rank); returns real + padding keys with their replicated tags."""
         plan = make_step_plan(meta, self.topology, self.cfg, st.step)
-        check_same_everywhere(plan.keys, "the step's key order", device=self.ctx.device)
         if plan.padding_keys and self.ctx.is_main:
             self.store.kv_batch_put(plan.padding_keys, TRAIN, plan.padding_fields, plan.padding_tags)
-        self.store.sync()
+        # the key-order check rides on the padding's sync; a divergent plan stops here, before any rank uses it
+        check_digests(self.store.sync(also=key_digest(plan.keys)), "the step's key order", len(plan.keys))
         st.plan = plan
         st.metrics.update(plan.metrics)
         full = plan.full_meta(self.store)

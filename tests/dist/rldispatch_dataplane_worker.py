@@ -23,7 +23,7 @@ def main() -> None:
     vals = [value_of(k) for k in keys]
     fields = TensorDict({"x": to_nested(vals), "score": torch.tensor([float(i) for i in range(4)])}, batch_size=[4])
     store.kv_batch_put(keys, "train", fields, [{"seq_len": len(v), "owner": rank} for v in vals])
-    store.sync()
+    assert store.sync(also={"rank": rank}) == [{"rank": r} for r in range(world)]  # rides on the same round trip
     listing = store.kv_list("train")["train"]
     assert len(listing) == 4 * world, listing
     assert all(listing[f"u{r}_0_0"]["owner"] == r for r in range(world))

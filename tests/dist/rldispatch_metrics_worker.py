@@ -1,11 +1,11 @@
 """torchrun worker: distributed_masked_stats and StepStats over 2 ranks equal masked_stats over the union; the step's
-small collectives (gather_objects, check_same_everywhere, global_sums) give every rank the same answer."""
+small collectives (gather_objects, the key-order digests, global_sums) give every rank the same answer."""
 import math
 
 import torch
 import torch.distributed as dist
 
-from rldispatch.collectives import INLINE_BYTES, check_same_everywhere, gather_objects
+from rldispatch.collectives import INLINE_BYTES, check_digests, gather_objects, key_digest
 from rldispatch.metrics import MetricsError, StepStats, distributed_masked_stats, global_sums, masked_stats
 
 
@@ -87,9 +87,10 @@ def collectives(rank: int) -> None:
     got = gather_objects(big)
     assert got[0] == b"x" and got[1] == bytes(range(256)) * (INLINE_BYTES // 128)
     assert gather_objects(None) == [None, None]
-    check_same_everywhere(["a", "b"], "keys")
+    check_digests(gather_objects(key_digest(["a", "b"])), "keys", 2)
+    assert key_digest(["a", "b"]) != key_digest(["b", "a"])
     try:
-        check_same_everywhere(["a", "b"] if rank == 0 else ["b", "a"], "the step's key order")
+        check_digests(gather_objects(key_digest(["a", "b"] if rank == 0 else ["b", "a"])), "the step's key order", 2)
     except RuntimeError as exc:
         assert "the step's key order differs between ranks" in str(exc) and "ranks [1]" in str(exc), exc
     else:
