@@ -16,7 +16,7 @@ from protocol.batch.nested import nested_offsets, nested_values
 
 __all__ = [
     "MetricsError", "MetricsLogger", "Timer", "masked_stats", "length_stats", "sample_lengths",
-    "distributed_masked_stats", "StepStats", "to_float_dict", "read_metrics", "global_sums", "per_rank_values",
+    "distributed_masked_stats", "StepStats", "to_float_dict", "read_metrics", "global_sums",
 ]
 
 
@@ -186,16 +186,6 @@ def global_sums(values: list[float], device: Any = None, group: Any = None) -> l
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t, group=group)
     return [float(sum(col)) for col in zip(*(p.cpu().tolist() for p in parts))]
-
-
-def per_rank_values(value: float, device: Any = None, group: Any = None) -> list[float]:
-    """One scalar from every rank of ``group``, indexed by rank (an all-gather)."""
-    import torch.distributed as dist
-
-    mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    return [float(p.item()) for p in parts]
 
 
 def sample_lengths(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

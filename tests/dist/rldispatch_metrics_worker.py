@@ -56,25 +56,23 @@ def step_stats(rank: int, values: torch.Tensor, pad: torch.Tensor, split: list[s
             "n": float((~pad).sum()), "bytes/rank0": 10.0, "bytes/rank1": 20.0, "bytes/max": 20.0,
             "extra/mean": 5.0, "extra/std": 1.0, "extra/min": 4.0, "extra/max": 6.0, "late": 5.0}
     assert got == want, (got, want)  # the same floats: the same moments combined in the same rank order
+    partial = StepStats()
     if rank == 0:
-        s2 = StepStats()
-        s2.per_rank("bytes", 1.0)
-    else:
-        s2 = StepStats()
+        partial.per_rank("bytes", 1.0)
+    refused(partial, "ranks [1] did not record")  # a per-rank value one rank did not record
+    padding = StepStats()
+    padding.masked("p", torch.ones(2), torch.ones(2, dtype=torch.bool))
+    refused(padding, "all 2 ranks")  # every sample is padding
+
+
+def refused(stats: StepStats, fragment: str) -> None:
+    """``stats.reduce()`` raises MetricsError naming ``fragment`` (on every rank)."""
     try:
-        s2.reduce()
+        stats.reduce()
     except MetricsError as exc:
-        assert "ranks [1] did not record" in str(exc)
+        assert fragment in str(exc), exc
     else:
-        raise SystemExit("expected MetricsError for a per-rank value one rank did not record")
-    s3 = StepStats()
-    s3.masked("p", torch.ones(2), torch.ones(2, dtype=torch.bool))
-    try:
-        s3.reduce()
-    except MetricsError as exc:
-        assert "all 2 ranks" in str(exc)
-    else:
-        raise SystemExit("expected MetricsError when every sample is padding")
+        raise SystemExit(f"expected MetricsError mentioning {fragment!r}")
 
 
 def collectives(rank: int) -> None:
