@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from backends.base import get_engine_class
+from backends.comm import allreduce_counts
 from dispatch import Topology
 from protocol.algos.advantage import compute_advantage, get_advantage_fn, session_inputs_from_keys
 from protocol.rollout.agent_loop import build_agent_loop, builtin_tools, run_groups
@@ -57,7 +58,7 @@ from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
 from rldispatch.gc_policy import StepGC
 from rldispatch.metrics import (
-    MetricsLogger, StepStats, Timer, distributed_masked_stats, global_sums, sample_lengths,
+    MetricsLogger, StepStats, Timer, distributed_masked_stats, sample_lengths,
 )
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, make_step_plan
@@ -313,7 +314,7 @@ class GRPOTrainer:
                 error = ""
             except Exception as exc:  # a damaged or partial checkpoint: say why, try the previous one
                 extra, error = {}, f"{type(exc).__name__}: {exc}"
-            failed = global_sums([1.0 if error else 0.0], device=self.ctx.device)[0]
+            failed = allreduce_counts([1.0 if error else 0.0], device=self.ctx.device)[0]
             if not failed:
                 break
             skipped.append((path, error or "another rank could not load it"))
@@ -605,7 +606,7 @@ class GRPOTrainer:
         if pad:
             td = self.store.read_local(pad, TRAIN, ["response_mask"])
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
-            self.store.kv_batch_put(pad, TRAIN, TensorDict({"old_log_probs": to_nested(zeros)}, batch_size=[len(pad)]))
+            self.store.kv_batch_put(pad, TRAIN, batch_of({"old_log_probs": to_nested(zeros)}, len(pad)))
 
     def _advantage(self, own: list[str], pad: torch.Tensor) -> None:
         """On the rank that holds each group (all of a group is generated on one rank): rewards, advantages.

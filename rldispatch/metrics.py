@@ -13,10 +13,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from protocol.batch.nested import nested_offsets, nested_values
+from rldispatch.collectives import gather_objects
 
 __all__ = [
     "MetricsError", "MetricsLogger", "Timer", "masked_stats", "length_stats", "sample_lengths",
-    "distributed_masked_stats", "StepStats", "to_float_dict", "read_metrics", "global_sums",
+    "distributed_masked_stats", "StepStats", "to_float_dict", "read_metrics",
 ]
 
 
@@ -153,8 +154,6 @@ class StepStats:
         """Every recorded metric over the ranks of ``group`` (a collective, when a process group is up)."""
         import torch.distributed as dist
 
-        from rldispatch.collectives import gather_objects
-
         mine = (self._moments, self._sums, self._per_rank)
         grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         gathered = gather_objects(mine, group=group, device=device) if grouped else [mine]
@@ -175,17 +174,6 @@ class StepStats:
             out.update({f"{name}/rank{r}": v for r, v in enumerate(values)})
             out[f"{name}/max"] = max(values)
         return out
-
-
-def global_sums(values: list[float], device: Any = None, group: Any = None) -> list[float]:
-    """Each of a few scalars summed over the ranks of ``group`` (float64, in rank order: the same floats on every
-    rank). An all-gather: gloo's all-reduce of a vector takes several round trips."""
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t, group=group)
-    return [float(sum(col)) for col in zip(*(p.cpu().tolist() for p in parts))]
 
 
 def sample_lengths(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,7 +111,7 @@ def strided_nested(components: Sequence[Tensor], *, dtype: torch.dtype | None = 
 
 
 def _check_jagged(nt: Tensor, name: str = "nt") -> None:
-    if not isinstance(nt, _Jagged):
+    if not is_jagged(nt):
         found = f"{type(nt).__name__}" if not isinstance(nt, Tensor) else f"tensor with layout {nt.layout}"
         raise NestedLayoutError(f"{name}: expected a jagged nested tensor (layout=torch.jagged), found {found}")
     if nt._ragged_idx != 1:

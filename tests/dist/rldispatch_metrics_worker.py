@@ -1,12 +1,13 @@
 """torchrun worker: distributed_masked_stats and StepStats over 2 ranks equal masked_stats over the union; the step's
-small collectives (gather_objects, the key-order digests, global_sums) give every rank the same answer."""
+small collectives (gather_objects, the key-order digests) give every rank the same answer."""
 import math
 
 import torch
 import torch.distributed as dist
 
+from backends.comm import allreduce_counts
 from rldispatch.collectives import INLINE_BYTES, check_digests, gather_objects, key_digest
-from rldispatch.metrics import MetricsError, StepStats, distributed_masked_stats, global_sums, masked_stats
+from rldispatch.metrics import MetricsError, StepStats, distributed_masked_stats, masked_stats
 
 
 def main() -> None:
@@ -93,7 +94,7 @@ def collectives(rank: int) -> None:
         assert "the step's key order differs between ranks" in str(exc) and "ranks [1]" in str(exc), exc
     else:
         raise SystemExit("expected a divergence error on every rank")
-    assert global_sums([1.0 + rank, 0.25]) == [3.0, 0.5]
+    assert allreduce_counts([1.0 + rank, 0.25]) == [3.0, 0.5]
 
 
 if __name__ == "__main__":

@@ -382,3 +382,61 @@ def test_conversions_on_cuda():
     assert padded.device.type == "cuda" and padded.tolist() == [[0, 1, 2], [0, 0, 0]] and mask.sum() == 3
     got = response_values_from_packed(torch.arange(3.0, device="cuda"), packed.cu_seqlens, torch.tensor([2, 0]))
     assert got.device.type == "cuda" and nested_values(got).tolist() == [0.0, 1.0]
+
+
+@SETTINGS
+@given(lengths=lengths_st, trailing=trailing_st)
+def test_nested_from_lengths_equals_nested_from_values(lengths, trailing):
+    """The trusted constructor gives the same jagged tensor (values, offsets, cached min/max, rows) as the checked
+    one, and hands lengths it cannot use to it, for the same error."""
+    import numpy as np
+
+    from protocol.batch.nested import jagged_parts, nested_from_lengths
+
+    values = torch.cat(_samples(lengths, trailing))
+    offsets = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
+    got, want = nested_from_lengths(values, np.array(lengths, dtype=np.int64)), nested_from_values(values, offsets)
+    assert is_jagged(got) and got.shape[0] == want.shape[0]
+    assert torch.equal(jagged_parts(got)[1], jagged_parts(want)[1]) and torch.equal(got.values(), want.values())
+    assert got._metadata_cache.keys() == want._metadata_cache.keys()
+    assert (got._min_seqlen, got._max_seqlen) == (want._min_seqlen, want._max_seqlen)
+    assert all(torch.equal(a, b) for a, b in zip(got.unbind(), want.unbind()))
+    with pytest.raises(NestedShapeError):
+        nested_from_lengths(values, np.array([*lengths, 1], dtype=np.int64))  # one token more than values hold
+
+
+def test_jagged_parts_compact_holes_and_keep_gradients():
+    """A narrowed jagged tensor (holes) comes back compacted; values that record gradients are read through the
+    view-tracking call, so a loss on the parts reaches the leaves, also through the trusted constructor."""
+    import numpy as np
+
+    from protocol.batch.nested import jagged_parts, nested_from_lengths
+
+    dense = torch.arange(8.0).reshape(2, 4)
+    nt = torch.nested.narrow(dense, 1, torch.tensor([1, 0]), torch.tensor([2, 3]), layout=torch.jagged)
+    values, offsets = jagged_parts(nt)
+    assert offsets.tolist() == [0, 2, 5] and values.tolist() == [1.0, 2.0, 4.0, 5.0, 6.0]
+    leaf = torch.arange(5.0, requires_grad=True)
+    nt = nested_from_lengths(leaf * 1.0, np.array([2, 3], dtype=np.int64)) * 3.0
+    (jagged_to_padded(nt) * torch.tensor([[1.0, 2.0, 0.0], [1.0, 1.0, 1.0]])).sum().backward()
+    assert leaf.grad.tolist() == [3.0, 6.0, 3.0, 3.0, 3.0]
+    with torch.no_grad():
+        assert not jagged_parts(nested_from_lengths(leaf * 1.0, np.array([5], dtype=np.int64)))[0].requires_grad
+
+
+def test_batch_of_equals_the_tensordict_constructor():
+    """A checked batch is the TensorDict the constructor builds (same keys, batch size, value objects); a wrong dim 0
+    or a value that is not a plain tensor goes to the constructor, with its error or its conversion."""
+    from tensordict import TensorDict
+
+    from protocol.store.batching import batch_of
+
+    fields = {"x": to_nested([torch.ones(2), torch.ones(3)]), "y": torch.zeros(2, 4)}
+    got, want = batch_of(fields, 2), TensorDict(fields, batch_size=[2])
+    assert type(got) is type(want) and got.batch_size == want.batch_size and got.device == want.device
+    assert list(got.keys()) == list(want.keys()) and got["x"] is fields["x"] and got["y"] is fields["y"]
+    assert got[1]["x"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(RuntimeError, match="batch dimension mismatch"):
+        batch_of({"x": fields["x"]}, 3)
+    assert batch_of({"s": torch.nn.Parameter(torch.zeros(2))}, 2)["s"].shape == (2,)
+    assert batch_of({}, 5).batch_size == torch.Size([5])
