@@ -33,8 +33,8 @@ from dispatch.padding import (
     make_padding,
     padding_count,
 )
-from dispatch.plan import (DispatchPlan, MiniBatchPlan, PlanError, PlanTags, RankPlan, build_plan, read_plan_tags,
-                           restore_order, reverse_index)
+from dispatch.plan import (DispatchPlan, MiniBatchPlan, MiniBatchWork, PlanError, PlanJob, PlanTags, RankPlan,
+                           build_plan, read_plan_tags, restore_order, reverse_index)
 from dispatch.settings import BatchSettings, DispatchConfigError
 from dispatch.synthetic import DISTRIBUTIONS, synthetic_lengths
 from dispatch.topology import Backend, BackendName, FSDPParallel, MegatronParallel, ParallelSection, Topology, \
@@ -53,6 +53,7 @@ __all__ = [
     "INT_FIELDS", "FLOAT_FIELDS", "DENSE_FIELDS",
     "MicroBatchError", "pack_micro_batches", "min_micro_batches", "split_micro_batches", "small_ends_order",
     "DISTRIBUTIONS", "synthetic_lengths",
-    "PlanError", "MiniBatchPlan", "RankPlan", "DispatchPlan", "build_plan", "reverse_index", "restore_order",
+    "PlanError", "MiniBatchPlan", "MiniBatchWork", "PlanJob", "RankPlan", "DispatchPlan", "build_plan",
+    "reverse_index", "restore_order",
     "PlanTags", "read_plan_tags",
 ]

@@ -2,7 +2,7 @@
 
 Every DP rank of a mini-batch gets the same number of micro-batches (the engines step through them in
 lock-step: pipeline schedules and gradient all-reduce need equal counts). The count is computed from the
-tags of all ranks, deterministically, so every rank arrives at the same plan without a collective.
+tags of all ranks, deterministically, so any rank arrives at the same plan without a collective.
 
 * Token budget: no micro-batch holds more than ``token_cap`` tokens (sum of seq_len); a single sample
   longer than the cap is an error naming its key. The count is the smallest for which every rank packs

@@ -43,6 +43,8 @@ __all__ = [
     "MiniBatchPlan",
     "RankPlan",
     "DispatchPlan",
+    "MiniBatchWork",
+    "PlanJob",
     "build_plan",
     "reverse_index",
     "restore_order",
@@ -369,6 +371,142 @@ def _units(pad: np.ndarray, groups: list[str | None], settings: BatchSettings) -
     return list(by_uid.values()) + [pads[j:j + g] for j in range(0, len(pads), g)]
 
 
+@dataclass(frozen=True)
+class MiniBatchWork:
+    """One mini-batch planned over the DP ranks (a :class:`PlanJob` piece): each rank's share and its balance figures."""
+
+    shares: list[MiniBatchPlan]  # one per DP rank
+    baseline_loads: list[float]  # per rank, the contiguous split of the mini-batch
+    before: float
+    after: float
+    bound: float
+    micro_balance: list[float]  # per rank
+    max_micro_tokens: int
+
+
+class PlanJob:
+    """:func:`build_plan` in pieces: the tags are read and checked once, then each mini-batch is planned on its own.
+
+    A piece is a pure function of the job, so any rank may compute any of them (ranks split the work and gather the
+    results, ``rldispatch.plan``); :meth:`assemble` joins the pieces, in order, into the plan.
+    """
+
+    def __init__(self, tags: Sequence[Mapping[str, Any]] | PlanTags, topology: Topology,
+                 settings: BatchSettings | None = None, *, keys: Sequence[str] | None = None) -> None:
+        settings = settings or BatchSettings()
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a dispatch.Topology, got {type(topology).__name__}")
+        if not isinstance(settings, BatchSettings):
+            raise TypeError(f"settings must be a dispatch.BatchSettings, got {type(settings).__name__}")
+        settings.check(topology)
+        if not isinstance(tags, PlanTags):
+            tags = read_plan_tags(tags, keys, need_groups=settings.group_partition)
+        elif settings.group_partition and not tags.need_groups:
+            raise PlanError("group_partition needs tags read with need_groups=True (read_plan_tags)")
+        seq, pad, names = tags.seq, tags.pad, tags.names
+        n = seq.size
+        dp = topology.dp_size
+        multiple = settings.padding_multiple(topology)
+        if n == 0:
+            raise PlanError("build_plan got an empty batch")
+        if n % multiple:
+            raise PlanError(f"the batch holds {n} samples, not a multiple of {multiple} (lcm of DP={dp} and the "
+                            f"mini-batch of {settings.mini_batch_samples} trajectories); add "
+                            f"{-n % multiple} padding samples (dispatch.make_padding) first")
+        self.topology, self.settings, self.seq, self.pad, self.names = topology, settings, seq, pad, names
+        self.work = settings.workload(seq)
+        self.units = _units(pad, tags.groups, settings)
+        self.unit_w = _sums(self.work, self.units)
+        per_mini = len(self.units) if settings.mini_batch_samples is None else (
+            settings.ppo_mini_batch_size if settings.group_partition else settings.mini_batch_samples)
+        self.token_cap = settings.token_cap(topology)
+        if self.token_cap is not None and int(seq.max()) > self.token_cap:
+            i = int(np.argmax(seq > self.token_cap))
+            raise PlanError(f"sample {names[i]!r} has seq_len {int(seq[i])} > the micro-batch token cap "
+                            f"{self.token_cap} (max_token_len_per_gpu {settings.max_token_len_per_gpu} x seq_shards "
+                            f"{topology.seq_shards}); raise max_token_len_per_gpu or filter longer trajectories")
+        #: (epoch, index in the epoch, the mini-batch's units) of every piece, in plan order
+        self.minis: list[tuple[int, int, np.ndarray]] = []
+        for epoch in range(settings.ppo_epochs):
+            if settings.shuffle:
+                perm = np.random.default_rng([settings.seed, epoch]).permutation(len(self.units))
+            else:
+                perm = np.arange(len(self.units))
+            for index, start in enumerate(range(0, len(self.units), per_mini)):
+                self.minis.append((epoch, index, perm[start:start + per_mini]))
+
+    def __len__(self) -> int:
+        return len(self.minis)
+
+    def cost(self, piece: int) -> int:
+        """Samples in mini-batch ``piece``: what planning it costs, roughly."""
+        return sum(len(self.units[u]) for u in self.minis[piece][2].tolist())
+
+    def run(self, piece: int) -> MiniBatchWork:
+        """Partition mini-batch ``piece`` over the DP ranks and cut each share into micro-batches."""
+        epoch, index, chosen = self.minis[piece]
+        s, units, work, seq, dp = self.settings, self.units, self.work, self.seq, self.topology.dp_size
+        if s.balance:
+            parts = balance_partitions(self.unit_w[chosen], dp)
+        else:
+            parts = contiguous_partitions(len(chosen), dp)
+        shares = [[i for p in part for i in units[chosen[p]]] for part in parts]
+        samples = [i for u in chosen for i in units[u]]
+        contiguous = [samples[j:j + len(samples) // dp] for j in range(0, len(samples), len(samples) // dp)]
+        base_loads = [float(work[c].sum()) for c in contiguous]
+        loads = [float(work[x].sum()) for x in shares]
+        micro = split_micro_batches(shares, work, seq, micro_batch_size=s.micro_batch_size_per_gpu,
+                                    token_cap=self.token_cap, multiple_of=self.topology.microbatch_group,
+                                    small_ends=s.small_ends, keys=self.names)
+        plans, micro_bal, max_micro_tokens = [], [], 0
+        for mbs in micro:
+            indices = [i for mb in mbs for i in mb]
+            positions, pos = [], 0
+            for mb in mbs:
+                positions.append(list(range(pos, pos + len(mb))))
+                pos += len(mb)
+            if mbs:
+                max_micro_tokens = max(max_micro_tokens, int(_sums(seq, mbs).max()))
+            micro_bal.append(imbalance(_sums(work, mbs).tolist() if mbs else []))
+            plans.append(MiniBatchPlan(epoch=epoch, index=index, indices=indices, micro_batches=positions,
+                                       tokens=int(seq[indices].sum()), workload=float(work[indices].sum()),
+                                       padding=int(self.pad[indices].sum())))
+        return MiniBatchWork(plans, base_loads, imbalance(base_loads), imbalance(loads),
+                             lower_bound(self.unit_w[chosen], dp) / max(float(np.mean(loads)), 1e-300), micro_bal,
+                             max_micro_tokens)
+
+    def assemble(self, pieces: Sequence[MiniBatchWork]) -> DispatchPlan:
+        """The plan of the planned mini-batches ``pieces`` (one per piece, in order)."""
+        if len(pieces) != len(self.minis):
+            raise PlanError(f"assemble needs {len(self.minis)} planned mini-batches, got {len(pieces)}")
+        dp, seq, pad = self.topology.dp_size, self.seq, self.pad
+        ranks = [RankPlan(dp_rank=d, mini_batches=[w.shares[d] for w in pieces]) for d in range(dp)]
+        baseline = np.zeros(dp)
+        for w in pieces:
+            baseline += w.baseline_loads
+        before, after = [w.before for w in pieces], [w.after for w in pieces]
+        micro_counts = [len(mb.micro_batches) for r in ranks for mb in r.mini_batches]
+        rank_tokens = [r.tokens for r in ranks]
+        metrics = {
+            "dispatch/dp_size": float(dp),
+            "dispatch/num_samples": float(seq.size),
+            "dispatch/padding": float(pad.sum()),
+            "dispatch/num_mini_batches": float(len(ranks[0].mini_batches)),
+            "dispatch/micro_batches_per_mini_batch": float(np.mean(micro_counts)),
+            "dispatch/max_micro_batch_tokens": float(max(w.max_micro_tokens for w in pieces)),
+            "dispatch/balance_before": float(np.mean(before)),
+            "dispatch/balance_before_max": float(np.max(before)),
+            "dispatch/balance_after": float(np.mean(after)),
+            "dispatch/balance_after_max": float(np.max(after)),
+            "dispatch/balance_bound": float(np.mean([w.bound for w in pieces])),
+            "dispatch/tokens_max_over_mean": imbalance(rank_tokens),
+            "dispatch/micro_batch_balance": float(np.mean([b for w in pieces for b in w.micro_balance])),
+        }
+        return DispatchPlan(topology=self.topology, settings=self.settings, num_samples=int(seq.size),
+                            num_padding=int(pad.sum()), ranks=ranks, metrics=metrics,
+                            baseline_workload=baseline.tolist())
+
+
 def build_plan(tags: Sequence[Mapping[str, Any]] | PlanTags, topology: Topology,
                settings: BatchSettings | None = None, *, keys: Sequence[str] | None = None) -> DispatchPlan:
     """Plan one step: per DP rank, mini-batches (epoch by epoch) and their micro-batches.
@@ -378,95 +516,5 @@ def build_plan(tags: Sequence[Mapping[str, Any]] | PlanTags, topology: Topology,
     errors and give groups; tags already read by :func:`read_plan_tags` are taken as they are (``keys`` unused).
     The batch must already be padded to ``settings.padding_multiple(topology)``.
     """
-    settings = settings or BatchSettings()
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a dispatch.Topology, got {type(topology).__name__}")
-    if not isinstance(settings, BatchSettings):
-        raise TypeError(f"settings must be a dispatch.BatchSettings, got {type(settings).__name__}")
-    settings.check(topology)
-    if not isinstance(tags, PlanTags):
-        tags = read_plan_tags(tags, keys, need_groups=settings.group_partition)
-    elif settings.group_partition and not tags.need_groups:
-        raise PlanError("group_partition needs tags read with need_groups=True (read_plan_tags)")
-    seq, pad, names, groups = tags.seq, tags.pad, tags.names, tags.groups
-    n = seq.size
-    dp = topology.dp_size
-    multiple = settings.padding_multiple(topology)
-    if n == 0:
-        raise PlanError("build_plan got an empty batch")
-    if n % multiple:
-        raise PlanError(f"the batch holds {n} samples, not a multiple of {multiple} (lcm of DP={dp} and the "
-                        f"mini-batch of {settings.mini_batch_samples} trajectories); add "
-                        f"{-n % multiple} padding samples (dispatch.make_padding) first")
-    work = settings.workload(seq)
-    units = _units(pad, groups, settings)
-    unit_w = _sums(work, units)
-    per_mini = len(units) if settings.mini_batch_samples is None else (
-        settings.ppo_mini_batch_size if settings.group_partition else settings.mini_batch_samples)
-    token_cap = settings.token_cap(topology)
-    if token_cap is not None and int(seq.max()) > token_cap:
-        i = int(np.argmax(seq > token_cap))
-        raise PlanError(f"sample {names[i]!r} has seq_len {int(seq[i])} > the micro-batch token cap {token_cap} "
-                        f"(max_token_len_per_gpu {settings.max_token_len_per_gpu} x seq_shards {topology.seq_shards}); "
-                        f"raise max_token_len_per_gpu or filter longer trajectories")
-
-    rank_minis: list[list[MiniBatchPlan]] = [[] for _ in range(dp)]
-    baseline = np.zeros(dp)
-    before, after, bound, micro_bal = [], [], [], []
-    max_micro_tokens = 0
-    for epoch in range(settings.ppo_epochs):
-        if settings.shuffle:
-            perm = np.random.default_rng([settings.seed, epoch]).permutation(len(units))
-        else:
-            perm = np.arange(len(units))
-        for index, start in enumerate(range(0, len(units), per_mini)):
-            chosen = perm[start:start + per_mini]
-            if settings.balance:
-                parts = balance_partitions(unit_w[chosen], dp)
-            else:
-                parts = contiguous_partitions(len(chosen), dp)
-            shares = [[i for p in part for i in units[chosen[p]]] for part in parts]
-            samples = [i for u in chosen for i in units[u]]
-            contiguous = [samples[j:j + len(samples) // dp] for j in range(0, len(samples), len(samples) // dp)]
-            base_loads = [float(work[c].sum()) for c in contiguous]
-            baseline += base_loads
-            loads = [float(work[s].sum()) for s in shares]
-            before.append(imbalance(base_loads))
-            after.append(imbalance(loads))
-            bound.append(lower_bound(unit_w[chosen], dp) / max(float(np.mean(loads)), 1e-300))
-            micro = split_micro_batches(shares, work, seq, micro_batch_size=settings.micro_batch_size_per_gpu,
-                                        token_cap=token_cap, multiple_of=topology.microbatch_group,
-                                        small_ends=settings.small_ends, keys=names)
-            for d, mbs in enumerate(micro):
-                indices = [i for mb in mbs for i in mb]
-                positions, pos = [], 0
-                for mb in mbs:
-                    positions.append(list(range(pos, pos + len(mb))))
-                    pos += len(mb)
-                if mbs:
-                    max_micro_tokens = max(max_micro_tokens, int(_sums(seq, mbs).max()))
-                micro_bal.append(imbalance(_sums(work, mbs).tolist() if mbs else []))
-                rank_minis[d].append(MiniBatchPlan(
-                    epoch=epoch, index=index, indices=indices, micro_batches=positions,
-                    tokens=int(seq[indices].sum()), workload=float(work[indices].sum()),
-                    padding=int(pad[indices].sum())))
-    ranks = [RankPlan(dp_rank=d, mini_batches=rank_minis[d]) for d in range(dp)]
-    micro_counts = [len(mb.micro_batches) for r in ranks for mb in r.mini_batches]
-    rank_tokens = [r.tokens for r in ranks]
-    metrics = {
-        "dispatch/dp_size": float(dp),
-        "dispatch/num_samples": float(n),
-        "dispatch/padding": float(pad.sum()),
-        "dispatch/num_mini_batches": float(len(ranks[0].mini_batches)),
-        "dispatch/micro_batches_per_mini_batch": float(np.mean(micro_counts)),
-        "dispatch/max_micro_batch_tokens": float(max_micro_tokens),
-        "dispatch/balance_before": float(np.mean(before)),
-        "dispatch/balance_before_max": float(np.max(before)),
-        "dispatch/balance_after": float(np.mean(after)),
-        "dispatch/balance_after_max": float(np.max(after)),
-        "dispatch/balance_bound": float(np.mean(bound)),
-        "dispatch/tokens_max_over_mean": imbalance(rank_tokens),
-        "dispatch/micro_batch_balance": float(np.mean(micro_bal)),
-    }
-    return DispatchPlan(topology=topology, settings=settings, num_samples=n, num_padding=int(pad.sum()),
-                        ranks=ranks, metrics=metrics, baseline_workload=baseline.tolist())
+    job = PlanJob(tags, topology, settings, keys=keys)
+    return job.assemble([job.run(i) for i in range(len(job))])

@@ -61,7 +61,7 @@ from rldispatch.metrics import (
     MetricsLogger, StepStats, Timer, distributed_masked_stats, sample_lengths,
 )
 from rldispatch.ref import build_reference
-from rldispatch.plan import StepPlan, batch_settings, make_step_plan
+from rldispatch.plan import StepPlan, batch_settings, prepare_step_plan
 from rldispatch.rollout import RolloutWorker
 from protocol.config import to_plain
 from rldispatch.trace import TraceRecorder
@@ -474,12 +474,17 @@ class GRPOTrainer:
         return meta
 
     def _plan(self, meta: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        """Pad and plan (pure, the same on every rank); returns real + padding keys with their replicated tags."""
-        plan = make_step_plan(meta, self.topology, self.cfg, st.step)
-        if plan.padding_keys and self.ctx.is_main:
-            self.store.kv_batch_put(plan.padding_keys, TRAIN, plan.padding_fields, plan.padding_tags)
-        # the key-order check rides on the padding's sync; a divergent plan stops here, before any rank uses it
-        check_digests(self.store.sync(also=key_digest(plan.keys)), "the step's key order", len(plan.keys))
+        """Pad and plan (pure: every rank reaches the same plan); returns real + padding keys with their tags.
+
+        The ranks split the plan's mini-batches and exchange them on the padding's sync, with the key-order check.
+        """
+        job = prepare_step_plan(meta, self.topology, self.cfg, st.step)
+        if job.padding_keys and self.ctx.is_main:
+            self.store.kv_batch_put(job.padding_keys, TRAIN, job.padding_fields, job.padding_tags)
+        seen = self.store.sync(also=(key_digest(job.keys), job.run_share(self.store.rank, self.store.world)))
+        # a divergent key order stops here, before any rank uses a plan
+        check_digests([digest for digest, _ in seen], "the step's key order", len(job.keys))
+        plan = job.finish({p: r for _, share in seen for p, r in share.items()})
         st.plan = plan
         st.metrics.update(plan.metrics)
         full = plan.full_meta(self.store)

@@ -1,16 +1,18 @@
 """The step's dispatch: padding samples plus the train and inference plans, seen as KVBatchMetas per DP rank."""
 from __future__ import annotations
 
+import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tensordict import TensorDict
 
-from dispatch import BatchSettings, DispatchPlan, INT_FIELDS, Topology, WorkloadModel, build_plan, make_padding, \
-    padding_count, read_plan_tags
+from dispatch import BatchSettings, DispatchPlan, INT_FIELDS, MiniBatchWork, PlanJob, Topology, WorkloadModel, \
+    make_padding, padding_count, read_plan_tags
 from protocol.store.meta import KVBatchMeta
 from rldispatch.config import RunConfig
 
-__all__ = ["batch_settings", "StepPlan", "MiniBatchShare", "make_step_plan"]
+__all__ = ["batch_settings", "StepPlan", "StepPlanJob", "MiniBatchShare", "prepare_step_plan", "make_step_plan"]
 
 
 def batch_settings(cfg: RunConfig, topology: Topology, step: int, *, inference: bool = False) -> BatchSettings:
@@ -94,15 +96,85 @@ class StepPlan:
         return [MiniBatchShare(mb.indices, mb.micro_batches) for mb in self.train.ranks[dp_rank].mini_batches]
 
 
-def make_step_plan(meta: KVBatchMeta, topology: Topology, cfg: RunConfig, step: int) -> StepPlan:
-    """Pad the sampled batch to the multiple the step needs, then plan training and inference (pure, same on all ranks)."""
+@dataclass
+class StepPlanJob:
+    """A step's padding and its two plans, in pieces (one per mini-batch) that any rank may compute.
+
+    Ranks split the pieces (:meth:`run_share`) and exchange what they computed; every rank then builds the same
+    :class:`StepPlan` with :meth:`finish`. One process runs every piece itself (:func:`make_step_plan`).
+    """
+
+    keys: list[str]
+    padding_keys: list[str]
+    padding_tags: list[dict]
+    padding_fields: TensorDict | None
+    train: PlanJob
+    infer: PlanJob
+
+    def _pieces(self) -> list[tuple[PlanJob, int]]:
+        return [(job, i) for job in (self.train, self.infer) for i in range(len(job))]
+
+    def owners(self, world: int) -> list[int]:
+        """The rank that computes each piece: heaviest piece first to the least-loaded rank (ties: lower rank)."""
+        pieces = self._pieces()
+        costs = [job.cost(i) for job, i in pieces]
+        load, owner = [0] * world, [0] * len(pieces)
+        for p in sorted(range(len(pieces)), key=lambda q: (-costs[q], q)):
+            r = min(range(world), key=lambda x: (load[x], x))
+            owner[p] = r
+            load[r] += costs[p]
+        return owner
+
+    def run_share(self, rank: int, world: int) -> dict[int, MiniBatchWork | Exception]:
+        """The pieces ``rank`` of ``world`` computes, by piece number; a piece that fails gives its exception, so
+        that every rank raises it in :meth:`finish` (a rank raising alone would leave the others in a collective)."""
+        done: dict[int, MiniBatchWork | Exception] = {}
+        for p, ((job, i), r) in enumerate(zip(self._pieces(), self.owners(world))):
+            if r == rank:
+                try:
+                    done[p] = job.run(i)
+                except Exception as exc:  # noqa: BLE001 - carried to every rank and raised there
+                    done[p] = exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}")
+        return done
+
+    def finish(self, done: Mapping[int, MiniBatchWork | Exception]) -> StepPlan:
+        """The step plan from every piece's result (the first failed piece, in plan order, raises)."""
+        pieces = self._pieces()
+        missing = [p for p in range(len(pieces)) if p not in done]
+        if missing:
+            raise RuntimeError(f"the step plan misses {len(missing)} of its {len(pieces)} planned mini-batches")
+        results = [done[p] for p in range(len(pieces))]
+        failed = next((r for r in results if isinstance(r, Exception)), None)
+        if failed is not None:
+            raise failed
+        n = len(self.train)
+        return StepPlan(keys=self.keys, padding_keys=self.padding_keys, padding_tags=self.padding_tags,
+                        padding_fields=self.padding_fields, train=self.train.assemble(results[:n]),
+                        infer=self.infer.assemble(results[n:]))
+
+
+def _picklable(exc: Exception) -> bool:
+    try:
+        pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - any failure means it cannot travel
+        return False
+    return True
+
+
+def prepare_step_plan(meta: KVBatchMeta, topology: Topology, cfg: RunConfig, step: int) -> StepPlanJob:
+    """Pad the sampled batch to the multiple the step needs and set up its training and inference plans (pure)."""
     train_settings = batch_settings(cfg, topology, step)
     count = padding_count(len(meta), train_settings.padding_multiple(topology))
     pad = make_padding(count, global_steps=step, fields=list(INT_FIELDS), seed=cfg.trainer.seed * 1_000_003 + step)
     keys = list(meta.keys) + pad.keys
     tags = list(meta.tags) + list(pad.tags)  # planning reads tags and never edits them (tests/dispatch/test_plan.py)
     read = read_plan_tags(tags, keys, need_groups=train_settings.group_partition)  # once for both plans
-    train = build_plan(read, topology, train_settings)
-    infer = build_plan(read, topology, batch_settings(cfg, topology, step, inference=True))
-    return StepPlan(keys=keys, padding_keys=pad.keys, padding_tags=pad.tags,
-                    padding_fields=pad.data if count else None, train=train, infer=infer)
+    return StepPlanJob(keys=keys, padding_keys=pad.keys, padding_tags=pad.tags,
+                       padding_fields=pad.data if count else None, train=PlanJob(read, topology, train_settings),
+                       infer=PlanJob(read, topology, batch_settings(cfg, topology, step, inference=True)))
+
+
+def make_step_plan(meta: KVBatchMeta, topology: Topology, cfg: RunConfig, step: int) -> StepPlan:
+    """Pad the sampled batch to the multiple the step needs, then plan training and inference, every piece here."""
+    job = prepare_step_plan(meta, topology, cfg, step)
+    return job.finish(job.run_share(0, 1))

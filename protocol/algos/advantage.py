@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from protocol.checks import only_types
 from protocol.store.keys import parse_trajectory_key
 from protocol.registry import Registry
 
@@ -155,6 +156,11 @@ def _units(scores: Tensor, real: Tensor, index: Any, session_index: Any, is_fina
         for u, i in enumerate(real_rows):
             row_unit[i] = u
         unit_uids = [uids[i] for i in real_rows]
+    elif (one := _one_row_sessions(real_rows, uids, _as_list("session_index", session_index, n),
+                                   is_final_output, n)) is not None:
+        unit_rows, unit_uids = real_rows, one
+        for u, i in enumerate(real_rows):
+            row_unit[i] = u
     else:
         sessions = _as_list("session_index", session_index, n)
         finals = None if is_final_output is None else [bool(x) for x in _as_list("is_final_output",
@@ -189,6 +195,31 @@ def _units(scores: Tensor, real: Tensor, index: Any, session_index: Any, is_fina
     rows_t = torch.tensor(unit_rows, dtype=torch.long)
     unit_scores = scores.detach().cpu()[rows_t] if len(unit_rows) else scores.new_zeros(0).cpu()
     return unit_scores, unit_group, torch.tensor(row_unit, dtype=torch.long), len(group_ids)
+
+
+def _one_row_sessions(real_rows: list[int], uids: list, sessions: list, is_final_output: Any, n: int
+                      ) -> list | None:
+    """The uids of the real rows when each is a session of its own (single-turn: one output per session), every
+    session a ``(uid, id)`` pair of its row's uid and marked final; None otherwise (the general path decides)."""
+    picked = [sessions[i] for i in real_rows]
+    if not only_types(picked, _TUPLE) or set(map(len, picked)) - {2}:
+        return None
+    try:
+        if len(set(picked)) != len(picked):
+            return None
+    except TypeError:  # an unhashable session id: the general path names it
+        return None
+    unit_uids = [uids[i] for i in real_rows]
+    if [s[0] for s in picked] != unit_uids:
+        return None
+    if is_final_output is not None:
+        finals = _as_list("is_final_output", is_final_output, n)
+        if not all(bool(finals[i]) for i in real_rows):
+            return None
+    return unit_uids
+
+
+_TUPLE = frozenset({tuple})
 
 
 def _group_stats(x: Tensor, group: Tensor, n_groups: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Sequence
 
+from protocol.checks import INT, only_types
 from protocol.store.keys import KeyFormatError, PromptStatus, parse_trajectory_key
 from protocol.store.meta import KVBatchMeta
 
@@ -113,6 +114,9 @@ class GroupView:
 
     def trajectory_born_steps(self) -> list[int]:
         """Per trajectory: ``min_global_steps`` (else ``global_steps``, else the prompt's step)."""
+        steps = [t.get("min_global_steps") for t in self.tags]
+        if only_types(steps, INT):  # every tag has its own, as trajectory tags do: no per-tag fallbacks
+            return steps
         return [int(t.get("min_global_steps", t.get("global_steps", self.born_step))) for t in self.tags]
 
 
@@ -220,8 +224,9 @@ class ReplayBuffer:
         return snap
 
     def _group_staleness(self, g: GroupView, step: int) -> float:
-        born = g.trajectory_born_steps() or [g.born_step]
-        return max(staleness(step, b, self.config.parameter_sync_step) for b in born)
+        born = g.trajectory_born_steps()
+        # staleness falls as born_step rises, so the group's largest is its oldest trajectory's
+        return staleness(step, min(born) if born else g.born_step, self.config.parameter_sync_step)
 
     def _drop(self, groups: Sequence[GroupView]) -> None:
         keys = [k for g in groups for k in g.keys] + [g.uid for g in groups]
@@ -286,8 +291,8 @@ class ReplayBuffer:
         chosen = usable[:batch_size]
         keys = [k for g in chosen for k in g.keys]
         tags = [t for g in chosen for t in g.tags]
-        values = [staleness(current_step, b, cfg.parameter_sync_step) for g in chosen
-                  for b in g.trajectory_born_steps()]
+        after, sync = current_step + 1, cfg.parameter_sync_step
+        values = [(after - b) / sync for g in chosen for b in g.trajectory_born_steps()]  # staleness(), inlined
         kept = sum(1 for g in chosen if g.status == PromptStatus.FAILURE)
         metrics.update(_stats(values, "off_policy/staleness"))
         metrics["replay/failed_groups_kept"] = float(kept)

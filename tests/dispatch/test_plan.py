@@ -299,3 +299,37 @@ def test_column_tag_reader_matches_the_per_tag_reader(num_groups, g, seed, need_
             assert a.dtype == b.dtype and np.array_equal(a, b)
         else:
             assert a == b
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenarios(), st.randoms(use_true_random=False))
+def test_plan_pieces_computed_apart_assemble_to_the_same_plan(scn, rnd):
+    """Each mini-batch planned on its own, in any order and after a pickle round trip (as ranks exchange them),
+    assembles to exactly :func:`build_plan`'s plan."""
+    import pickle
+
+    from dispatch import PlanJob
+
+    dp, sett, num_groups, seed = scn
+    topo = Topology.from_config({"backend": "fsdp"}, dp)
+    keys, tags = make_batch(num_groups, sett.rollout_n, np.random.default_rng(seed))
+    try:
+        sett.check(topo)
+        keys, tags, _ = padded(keys, tags, topo, sett)
+        want = build_plan(tags, topo, sett, keys=keys)
+    except (DispatchConfigError, PlanError, ValueError) as exc:  # the same refusal from the job's pieces
+        with pytest.raises(type(exc)):
+            job = PlanJob(tags, topo, sett, keys=keys)
+            [job.run(i) for i in range(len(job))]
+        return
+    job = PlanJob(tags, topo, sett, keys=keys)
+    assert len(job) == want.num_mini_batches and sum(job.cost(i) for i in range(len(job))) == \
+        len(keys) * sett.ppo_epochs
+    order = list(range(len(job)))
+    rnd.shuffle(order)
+    done = {i: pickle.loads(pickle.dumps(job.run(i))) for i in order}
+    got = job.assemble([done[i] for i in range(len(job))])
+    assert got.ranks == want.ranks and got.metrics == want.metrics
+    assert got.baseline_workload == want.baseline_workload and got.num_padding == want.num_padding
+    with pytest.raises(PlanError, match=f"needs {len(job)} planned mini-batches, got {len(job) - 1}"):
+        job.assemble([done[i] for i in range(len(job) - 1)])

@@ -319,3 +319,30 @@ def test_session_inputs_from_keys_drive_multi_output_grpo():
     torch.testing.assert_close(adv.flatten(), torch.tensor([s, s, -s, 0.0, 0.0]))
     with pytest.raises(ValueError, match="trajectory key"):
         session_inputs_from_keys(["not-a-key"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=6), seed=st.integers(0, 10_000),
+       finals=st.sampled_from(["none", "all", "one_not"]), estimator=st.sampled_from(["grpo", "rloo"]))
+def test_one_row_sessions_score_like_rows(sizes, seed, finals, estimator):
+    """When every session is one row (single-turn), the session-level estimate is the row-level one; a session
+    whose only row is not marked final is still refused by the general path."""
+    g = torch.Generator().manual_seed(seed)
+    index = [f"u{j}" for j, k in enumerate(sizes) for _ in range(k)]
+    n = len(index)
+    rewards, mask = torch.randn(n, 5, generator=g, dtype=torch.float64), torch.ones(n, 5)
+    pad = torch.rand(n, generator=g) < 0.2
+    sessions = [(uid, i) for i, uid in enumerate(index)]
+    flags = None if finals == "none" else [True] * n
+    real = [i for i in range(n) if not pad[i]]
+    if finals == "one_not" and real:
+        flags[real[0]] = False
+        with pytest.raises(ValueError, match="expected exactly 1"):
+            compute_advantage(estimator, token_level_rewards=rewards, response_mask=mask, index=index,
+                              is_padding=pad, session_index=sessions, is_final_output=flags)
+        return
+    by_row = compute_advantage(estimator, token_level_rewards=rewards, response_mask=mask, index=index,
+                               is_padding=pad)
+    by_session = compute_advantage(estimator, token_level_rewards=rewards, response_mask=mask, index=index,
+                                   is_padding=pad, session_index=sessions, is_final_output=flags)
+    assert all(torch.equal(a, b) for a, b in zip(by_row, by_session))

@@ -276,3 +276,23 @@ def test_sample_matches_reference_model(specs, step, bs, threshold, failure):
     left = store.kv_list("train")["train"]
     for i in stale:
         assert uids[i] not in left
+
+
+_BORN = st.one_of(st.none(), st.integers(0, 12), st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt_step=st.integers(0, 12), born=st.lists(st.tuples(_BORN, _BORN), max_size=6),
+       step=st.integers(0, 20), sync=st.integers(1, 4))
+def test_group_staleness_is_its_oldest_trajectorys(prompt_step, born, step, sync):
+    """Born steps follow the per-tag rule (min_global_steps, else global_steps, else the prompt's step; bools as
+    ints), and a group's staleness is the largest of its trajectories' (the oldest one's)."""
+    from protocol.store.replay_buffer import GroupView, ReplayBuffer, staleness
+
+    tags = [{k: v for k, v in (("min_global_steps", lo), ("global_steps", g)) if v is not None} for lo, g in born]
+    g = GroupView("u", 0, prompt_tag(prompt_step, "finished"), [f"u_{i}_0" for i in range(len(tags))], tags)
+    rule = [int(t.get("min_global_steps", t.get("global_steps", prompt_step))) for t in tags]
+    assert g.trajectory_born_steps() == rule
+    buffer = ReplayBuffer(LocalStore(), parameter_sync_step=sync)
+    want = max(staleness(step, b, sync) for b in (rule or [prompt_step]))
+    assert buffer._group_staleness(g, step) == want
