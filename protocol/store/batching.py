@@ -36,6 +36,7 @@ __all__ = [
     "same_value",
     "nbytes",
     "normalize_tag",
+    "SCALAR_TYPES",
     "own_copy",
 ]
 
@@ -212,11 +213,12 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _SCALARS = (str, int, float, bool, type(None))
-_SCALAR_TYPES = frozenset(_SCALARS)  # exact types: a set lookup instead of an isinstance chain per value
+#: the exact types of a tag's scalar values: a set lookup instead of an isinstance chain per value
+SCALAR_TYPES = frozenset(_SCALARS)
 
 
 def _json_value(value: Any, where: str) -> Any:
-    if type(value) in _SCALAR_TYPES or isinstance(value, _SCALARS):
+    if type(value) in SCALAR_TYPES or isinstance(value, _SCALARS):
         return value
     if isinstance(value, np.generic):
         return value.item()
@@ -242,5 +244,5 @@ def normalize_tag(tag: Any, key: str) -> dict:
     for name, value in tag.items():
         if type(name) is not str and not isinstance(name, str):
             raise TypeError(f"tag of key {key!r}: names must be str, got {name!r}")
-        out[name] = value if type(value) in _SCALAR_TYPES else _json_value(value, f"tag {name!r} of key {key!r}")
+        out[name] = value if type(value) in SCALAR_TYPES else _json_value(value, f"tag {name!r} of key {key!r}")
     return out

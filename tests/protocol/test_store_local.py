@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import weakref
 from pathlib import Path
@@ -149,6 +150,29 @@ def test_normalize_tag():
         normalize_tag([1], "k")
     with pytest.raises(TypeError, match="JSON-able"):
         normalize_tag({"a": object()}, "k")
+
+
+_TAG_VALUE = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=3),
+                       st.lists(st.integers(), max_size=2), st.builds(np.int64, st.integers(-9, 9)),
+                       st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.dictionaries(st.one_of(st.text(max_size=3), st.integers(0, 3)), _TAG_VALUE, max_size=4),
+                min_size=1, max_size=6))
+def test_check_tags_equals_normalizing_each_tag(tags):
+    """The whole-list pass for scalar tags gives what normalizing tag by tag gives (or the same refusal), and
+    shares no container with the caller's tags."""
+    keys = [f"k{i}" for i in range(len(tags))]
+    try:
+        want = [normalize_tag(t, k) for t, k in zip(tags, keys)]
+    except TypeError as exc:
+        with pytest.raises(TypeError, match=re.escape(str(exc))):
+            check_tags(tags, keys, "op")
+        return
+    got = check_tags(tags, keys, "op")
+    assert got == want and [list(map(type, t.values())) for t in got] == [list(map(type, t.values())) for t in want]
+    assert all(a is not b for a, b in zip(got, tags))
 
 
 # ---- cleared marks -------------------------------------------------------------------------------------
