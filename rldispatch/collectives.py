@@ -14,10 +14,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["INLINE_BYTES", "gather_objects", "key_digest", "check_digests"]
+__all__ = ["INLINE_BYTES", "INLINE_TOTAL", "inline_bytes", "gather_objects", "key_digest", "check_digests"]
 
-#: Pickled bytes an object may have to travel with its size in the first round trip; larger ones take a second.
+#: Pickled bytes an object may always have to travel with its size in the first round trip (larger: a second).
 INLINE_BYTES = 16384
+#: Up to this many bytes in all travel in the first round trip, shared by the ranks: a small world inlines more
+#: (an all-gather of 64 KiB per rank costs about what one of 16 KiB does on 2 ranks; a round trip costs more).
+INLINE_TOTAL = 131072
+
+
+def inline_bytes(world: int) -> int:
+    """Pickled bytes each of ``world`` ranks sends with its size in :func:`gather_objects`' first all-gather."""
+    return max(INLINE_BYTES, INLINE_TOTAL // max(world, 1))
 _HEAD = 8  # the int64 byte count in front of each rank's inline bytes
 
 
@@ -25,19 +33,20 @@ def gather_objects(obj: Any, group: Any = None, device: Any = None) -> list[Any]
     """Every rank's picklable ``obj``, indexed by group rank (this rank's entry is ``obj`` itself).
 
     Like ``all_gather_object`` but with one all-gather instead of two while every rank's pickle fits in
-    :data:`INLINE_BYTES`: each rank sends its byte count and its bytes together. A larger object anywhere takes a
-    second all-gather of every rank's bytes. ``device``: where the tensors travel (a GPU under NCCL).
+    :func:`inline_bytes` of the world: each rank sends its byte count and its bytes together. A larger object
+    anywhere takes a second all-gather of every rank's bytes. ``device``: where the tensors travel (a GPU under NCCL).
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
+    inline = inline_bytes(world)
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    head = np.zeros(_HEAD + INLINE_BYTES, dtype=np.uint8)
+    head = np.zeros(_HEAD + inline, dtype=np.uint8)
     head[:_HEAD] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
-    if len(data) <= INLINE_BYTES:
+    if len(data) <= inline:
         head[_HEAD:_HEAD + len(data)] = np.frombuffer(data, dtype=np.uint8)
     rows = _all_gather_bytes(head, world, group, device)
     sizes = [int(r[:_HEAD].view(np.int64)[0]) for r in rows]
-    if max(sizes) <= INLINE_BYTES:
+    if max(sizes) <= inline:
         blobs = [r[_HEAD:_HEAD + n] for r, n in zip(rows, sizes)]
     else:
         padded = np.zeros(max(sizes), dtype=np.uint8)

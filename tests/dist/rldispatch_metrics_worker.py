@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from backends.comm import allreduce_counts
-from rldispatch.collectives import INLINE_BYTES, check_digests, gather_objects, key_digest
+from rldispatch.collectives import INLINE_BYTES, INLINE_TOTAL, check_digests, gather_objects, inline_bytes, key_digest
 from rldispatch.metrics import MetricsError, StepStats, distributed_masked_stats, masked_stats
 
 
@@ -82,9 +82,25 @@ def collectives(rank: int) -> None:
     got = gather_objects(small)
     assert got == [{"rank": r, "keys": [f"k{i}" for i in range(r + 3)]} for r in range(2)], got
     assert got[rank] is small
-    big = bytes(range(256)) * (INLINE_BYTES // 128) if rank == 1 else b"x"  # > INLINE_BYTES pickled on rank 1
-    got = gather_objects(big)
-    assert got[0] == b"x" and got[1] == bytes(range(256)) * (INLINE_BYTES // 128)
+    inline = inline_bytes(2)
+    assert inline == max(INLINE_BYTES, INLINE_TOTAL // 2) and inline_bytes(64) == INLINE_BYTES
+    calls = []
+    all_gather = dist.all_gather
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather = counted  # count the round trips the real collective takes
+    try:
+        for size, trips in ((inline - 64, 1), (inline + 64, 2)):  # pickles just under and over the inline size
+            big = bytes(range(256)) * (size // 256) if rank == 1 else b"x"
+            calls.clear()
+            got = gather_objects(big)
+            assert got[0] == b"x" and got[1] == bytes(range(256)) * (size // 256) and len(calls) == trips, \
+                (size, len(calls))
+    finally:
+        dist.all_gather = all_gather
     assert gather_objects(None) == [None, None]
     check_digests(gather_objects(key_digest(["a", "b"])), "keys", 2)
     assert key_digest(["a", "b"]) != key_digest(["b", "a"])
