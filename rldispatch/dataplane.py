@@ -3,7 +3,8 @@
 Every rank keeps the values it produced in its own local store. Tags and the location of every (key, field)
 are replicated by :meth:`ShardedStore.sync` (metadata only). :meth:`ShardedStore.fetch` is a collective in which
 each rank asks for the values it needs; each value travels once, from the rank that holds it straight to the
-rank that asked — never through one central rank.
+rank that asked — never through one central rank. Under gloo the values follow the requests in one round trip
+when they are short (:meth:`ShardedStore._exchange_framed`); otherwise the ranks first tell each other the sizes.
 """
 from __future__ import annotations
 
@@ -80,6 +81,11 @@ _ALIGN = 8  # every tensor of a message starts at a multiple of this many bytes,
 def _encode(payload: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
     """One uint8 message of packed fields: an int64 header length, a JSON header (field, dtype, shape, offsets
     count per field) and each tensor's raw bytes; no pickle, and the tensors are copied once."""
+    return torch.cat(_encoded_chunks(payload))
+
+
+def _encoded_chunks(payload: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """The parts of :func:`_encode`'s message, in order (CPU uint8 tensors, each a multiple of 8 bytes)."""
     header, parts = [], []
     for name, (values, offsets) in payload.items():
         header.append([name, str(values.dtype).removeprefix("torch."), list(values.shape),
@@ -89,7 +95,23 @@ def _encode(payload: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> tor
     chunks = [torch.tensor([len(head)], dtype=torch.int64).view(torch.uint8),
               _padded(torch.frombuffer(bytearray(head), dtype=torch.uint8))]
     chunks += [_padded(t.detach().contiguous().reshape(-1).view(torch.uint8)) for t in parts]
-    return torch.cat([c.cpu() for c in chunks])
+    return [c.cpu() for c in chunks]
+
+
+#: bytes of a frame sent at once, shared out by the world (:meth:`ShardedStore._exchange_framed`)
+FIRST_PART_TOTAL = 4 << 20
+
+
+def first_part_bytes(world: int) -> int:
+    """Bytes of each frame a rank of ``world`` sends at once (a multiple of 8; 2 MiB on 2 ranks, 64 KiB from 64)."""
+    return max(64 << 10, FIRST_PART_TOTAL // max(world, 1)) // _ALIGN * _ALIGN
+
+
+def _frame(payload: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None) -> torch.Tensor:
+    """:func:`_encode`'s message of ``payload`` (nothing for None) behind the frame's own int64 byte count."""
+    chunks = [] if payload is None else _encoded_chunks(payload)
+    size = _ALIGN + sum(c.numel() for c in chunks)
+    return torch.cat([torch.tensor([size], dtype=torch.int64).view(torch.uint8), *chunks])
 
 
 def _padded(raw: torch.Tensor) -> torch.Tensor:
@@ -140,6 +162,7 @@ class ShardedStore(StepStore):
         self._pending: list[tuple[str, list[str], list[dict] | None, list[str]]] = []
         self.bytes_received = 0
         self.bytes_sent = 0
+        self._gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
 
     # ---- local verbs ------------------------------------------------------------------------------------
     def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: TensorDict | None = None,
@@ -331,6 +354,8 @@ class ShardedStore(StepStore):
         received[self.rank] = outgoing[self.rank]
         if self.world == 1:
             return received
+        if self._gloo:
+            return self._exchange_framed(outgoing, received)
         blobs = [_encode(p) if (p is not None and dst != self.rank) else None for dst, p in enumerate(outgoing)]
         sizes = torch.tensor([0 if b is None else b.numel() for b in blobs], dtype=torch.int64, device=self.device)
         matrix = [torch.zeros_like(sizes) for _ in range(self.world)]
@@ -351,6 +376,43 @@ class ShardedStore(StepStore):
         for src, buf in inbox.items():
             self.bytes_received += buf.numel()
             received[src] = _decode(buf.cpu())
+        return received
+
+    def _exchange_framed(self, outgoing: list[dict | None], received: list[dict | None]) -> list[dict | None]:
+        """:meth:`_exchange` without telling sizes first (gloo receives a shorter message into a longer buffer).
+
+        Every rank sends every other rank one frame, its byte count in front (8 bytes when it sends nothing), the
+        first :func:`first_part_bytes` of it at once into a buffer of that size; a longer frame sends its rest
+        as a second part. So a fetch that moves little takes one round trip after its request, not two."""
+        first = first_part_bytes(self.world)
+        peers = [r for r in range(self.world) if r != self.rank]
+        frames = {dst: _frame(outgoing[dst]) for dst in peers}
+        inbox = {src: torch.empty(first, dtype=torch.uint8) for src in peers}
+        ops = [dist.P2POp(dist.irecv, inbox[src], self._global(src), group=self.group) for src in peers]
+        ops += [dist.P2POp(dist.isend, frames[dst][:first], self._global(dst), group=self.group) for dst in peers]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        ops = []
+        for src in peers:
+            total = int(inbox[src][:_ALIGN].view(torch.int64)[0])
+            if total > first:  # the rest follows: received straight behind the first part
+                whole = torch.empty(total, dtype=torch.uint8)
+                whole[:first] = inbox[src]
+                inbox[src] = whole
+                ops.append(dist.P2POp(dist.irecv, whole[first:], self._global(src), group=self.group))
+        for dst in peers:
+            if frames[dst].numel() > first:
+                ops.append(dist.P2POp(dist.isend, frames[dst][first:], self._global(dst), group=self.group))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        for dst in peers:
+            self.bytes_sent += frames[dst].numel() - _ALIGN
+        for src in peers:
+            total = int(inbox[src][:_ALIGN].view(torch.int64)[0])
+            if total > _ALIGN:
+                self.bytes_received += total - _ALIGN
+                received[src] = _decode(inbox[src][_ALIGN:total])
         return received
 
     def _global(self, group_rank: int) -> int:

@@ -7,7 +7,7 @@ from tensordict import TensorDict
 
 from protocol.batch.nested import to_nested
 from protocol.store import LocalStore
-from rldispatch.dataplane import DataPlaneError, ShardedStore
+from rldispatch.dataplane import DataPlaneError, ShardedStore, first_part_bytes
 
 
 def value_of(key: str) -> torch.Tensor:
@@ -62,6 +62,17 @@ def main() -> None:
         assert "nope" in str(exc) and f"u{other}_0_0" in str(exc)
     else:
         raise AssertionError("missing field not refused")
+
+    # a value longer than a frame's first part arrives in two parts, bit for bit
+    size = first_part_bytes(world) // 4 + 1000
+    store.kv_batch_put([f"u{rank}_5_0"], "train", TensorDict({"big": to_nested([torch.arange(size) * (rank + 1.0)])},
+                                                             batch_size=[1]), [{"seq_len": 1}])
+    store.sync()
+    before = store.bytes_received
+    got = store.fetch([f"u{other}_5_0", f"u{rank}_5_0"], "train", ["big"])
+    assert torch.equal(got["big"][0], torch.arange(size) * (other + 1.0))
+    assert torch.equal(got["big"][1], torch.arange(size) * (rank + 1.0))
+    assert store.bytes_received - before > size * 4, "the long value came from the other rank"
 
     # tags written after the first sync reach the other rank at the next sync
     store.kv_batch_put([keys[0]], "train", tags=[{"status": "seen"}])

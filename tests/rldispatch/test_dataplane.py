@@ -61,6 +61,23 @@ def test_a_message_carries_every_dtype_and_shape_bit_exact():
         _decode(bad)
 
 
+def test_a_frame_is_its_byte_count_then_the_message():
+    """What gloo ranks send each other: an int64 count of the whole frame, then the message (nothing: 8 bytes);
+    a frame parts at any multiple of 8 and is read back from its first bytes."""
+    import torch
+
+    from rldispatch.dataplane import _decode, _encode, _frame, first_part_bytes
+
+    payload = {"x": (torch.arange(10, dtype=torch.float32), torch.tensor([0, 4, 10])), "s": (torch.ones(2), None)}
+    frame = _frame(payload)
+    assert int(frame[:8].view(torch.int64)[0]) == frame.numel() and torch.equal(frame[8:], _encode(payload))
+    got = _decode(frame[8:])
+    assert all(torch.equal(got[k][0], v) for k, (v, _) in payload.items())
+    empty = _frame(None)
+    assert empty.numel() == 8 and int(empty.view(torch.int64)[0]) == 8
+    assert first_part_bytes(2) == 2 << 20 and first_part_bytes(64) == 64 << 10 and first_part_bytes(3) % 8 == 0
+
+
 def test_joining_what_holders_sent_follows_the_one_length_rule():
     """A field joined from one holder (its buffer as it came) or several (rows merged in the asked order) is the
     same tensor a per-key join gives; anything with a length comes back jagged, even rows of one length."""
