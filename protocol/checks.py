@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["INT", "FLOAT", "NUMBER", "STR", "DICT", "only_types", "plain_keys"]
+__all__ = ["INT", "FLOAT", "NUMBER", "STR", "DICT", "SCALAR", "only_types", "plain_keys"]
 
 INT, FLOAT, NUMBER = frozenset({int}), frozenset({float}), frozenset({int, float})
 STR, DICT = frozenset({str}), frozenset({dict})
+#: the exact types of a JSON scalar: what a tag value is, nearly always
+SCALAR = frozenset({str, int, float, bool, type(None)})
 
 
 def only_types(values: Iterable, allowed: frozenset) -> bool:

@@ -392,25 +392,23 @@ class ShardedStore(StepStore):
         ops += [dist.P2POp(dist.isend, frames[dst][:first], self._global(dst), group=self.group) for dst in peers]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
+        totals = {src: int(inbox[src][:_ALIGN].view(torch.int64)[0]) for src in peers}
         ops = []
-        for src in peers:
-            total = int(inbox[src][:_ALIGN].view(torch.int64)[0])
+        for src, total in totals.items():
             if total > first:  # the rest follows: received straight behind the first part
                 whole = torch.empty(total, dtype=torch.uint8)
                 whole[:first] = inbox[src]
                 inbox[src] = whole
                 ops.append(dist.P2POp(dist.irecv, whole[first:], self._global(src), group=self.group))
-        for dst in peers:
-            if frames[dst].numel() > first:
-                ops.append(dist.P2POp(dist.isend, frames[dst][first:], self._global(dst), group=self.group))
+        for dst, frame in frames.items():
+            self.bytes_sent += frame.numel() - _ALIGN
+            if frame.numel() > first:
+                ops.append(dist.P2POp(dist.isend, frame[first:], self._global(dst), group=self.group))
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
-        for dst in peers:
-            self.bytes_sent += frames[dst].numel() - _ALIGN
-        for src in peers:
-            total = int(inbox[src][:_ALIGN].view(torch.int64)[0])
-            if total > _ALIGN:
+        for src, total in totals.items():
+            if total > _ALIGN:  # a frame of 8 bytes carries nothing
                 self.bytes_received += total - _ALIGN
                 received[src] = _decode(inbox[src][_ALIGN:total])
         return received

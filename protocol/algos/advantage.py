@@ -149,20 +149,15 @@ def _units(scores: Tensor, real: Tensor, index: Any, session_index: Any, is_fina
     uids = _as_list("index", index, n)
     real_rows = [i for i, r in enumerate(real.tolist()) if r]  # one conversion, not a tensor index per row
     row_unit = [-1] * n
-    if session_index is None:
-        if is_final_output is not None:
-            raise ValueError("is_final_output is given without session_index; pass both or neither")
-        unit_rows = real_rows
+    if session_index is None and is_final_output is not None:
+        raise ValueError("is_final_output is given without session_index; pass both or neither")
+    sessions = None if session_index is None else _as_list("session_index", session_index, n)
+    if sessions is None or _one_row_sessions(real_rows, uids, sessions, is_final_output, n):
+        unit_rows = real_rows  # every real row is its own unit
         for u, i in enumerate(real_rows):
             row_unit[i] = u
         unit_uids = [uids[i] for i in real_rows]
-    elif (one := _one_row_sessions(real_rows, uids, _as_list("session_index", session_index, n),
-                                   is_final_output, n)) is not None:
-        unit_rows, unit_uids = real_rows, one
-        for u, i in enumerate(real_rows):
-            row_unit[i] = u
     else:
-        sessions = _as_list("session_index", session_index, n)
         finals = None if is_final_output is None else [bool(x) for x in _as_list("is_final_output",
                                                                                     is_final_output, n)]
         unit_of: dict[tuple, int] = {}
@@ -197,26 +192,23 @@ def _units(scores: Tensor, real: Tensor, index: Any, session_index: Any, is_fina
     return unit_scores, unit_group, torch.tensor(row_unit, dtype=torch.long), len(group_ids)
 
 
-def _one_row_sessions(real_rows: list[int], uids: list, sessions: list, is_final_output: Any, n: int
-                      ) -> list | None:
-    """The uids of the real rows when each is a session of its own (single-turn: one output per session), every
-    session a ``(uid, id)`` pair of its row's uid and marked final; None otherwise (the general path decides)."""
+def _one_row_sessions(real_rows: list[int], uids: list, sessions: list, is_final_output: Any, n: int) -> bool:
+    """Each real row is a session of its own (single-turn: one output per session), every session a ``(uid, id)``
+    pair of its row's uid and marked final; False otherwise (the general path decides, and names what is wrong)."""
     picked = [sessions[i] for i in real_rows]
     if not only_types(picked, _TUPLE) or set(map(len, picked)) - {2}:
-        return None
+        return False
     try:
         if len(set(picked)) != len(picked):
-            return None
-    except TypeError:  # an unhashable session id: the general path names it
-        return None
-    unit_uids = [uids[i] for i in real_rows]
-    if [s[0] for s in picked] != unit_uids:
-        return None
+            return False
+    except TypeError:  # an unhashable session id
+        return False
+    if [s[0] for s in picked] != [uids[i] for i in real_rows]:
+        return False
     if is_final_output is not None:
         finals = _as_list("is_final_output", is_final_output, n)
-        if not all(bool(finals[i]) for i in real_rows):
-            return None
-    return unit_uids
+        return all(bool(finals[i]) for i in real_rows)
+    return True
 
 
 _TUPLE = frozenset({tuple})

@@ -36,11 +36,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
-from protocol.checks import DICT, STR, only_types, plain_keys
+from protocol.checks import DICT, SCALAR, STR, only_types, plain_keys
 
 from .keys import is_prompt_key, uid_of
 from .meta import KVBatchMeta
-from .batching import SCALAR_TYPES, normalize_tag, single_key_fields
+from .batching import normalize_tag, single_key_fields
 from .errors import StoreKeyError, preview
 
 __all__ = [
@@ -93,7 +93,7 @@ def check_tags(tags: Any, keys: Sequence[str], op: str) -> list[dict] | None:
     if len(tags) != len(keys):
         raise ValueError(f"{op}: got {len(tags)} tags for {len(keys)} keys; pass one tag dict per key")
     if only_types(tags, DICT) and only_types(itertools.chain.from_iterable(tags), STR) and \
-            only_types(itertools.chain.from_iterable(map(dict.values, tags)), SCALAR_TYPES):
+            only_types(itertools.chain.from_iterable(map(dict.values, tags)), SCALAR):
         return list(map(dict.copy, tags))  # str names and scalar values (nearly every tag): nothing to convert
     return [normalize_tag(t, k) for t, k in zip(tags, keys)]
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from protocol.checks import SCALAR
 from protocol.batch.nested import is_jagged, jagged_parts, nested_from_values
 from .errors import FieldShapeError, preview
 
@@ -36,7 +37,6 @@ __all__ = [
     "same_value",
     "nbytes",
     "normalize_tag",
-    "SCALAR_TYPES",
     "own_copy",
 ]
 
@@ -212,13 +212,11 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-_SCALARS = (str, int, float, bool, type(None))
-#: the exact types of a tag's scalar values: a set lookup instead of an isinstance chain per value
-SCALAR_TYPES = frozenset(_SCALARS)
+_SCALARS = tuple(SCALAR)  # for isinstance, which subclasses pass too
 
 
 def _json_value(value: Any, where: str) -> Any:
-    if type(value) in SCALAR_TYPES or isinstance(value, _SCALARS):
+    if type(value) in SCALAR or isinstance(value, _SCALARS):
         return value
     if isinstance(value, np.generic):
         return value.item()
@@ -244,5 +242,5 @@ def normalize_tag(tag: Any, key: str) -> dict:
     for name, value in tag.items():
         if type(name) is not str and not isinstance(name, str):
             raise TypeError(f"tag of key {key!r}: names must be str, got {name!r}")
-        out[name] = value if type(value) in SCALAR_TYPES else _json_value(value, f"tag {name!r} of key {key!r}")
+        out[name] = value if type(value) in SCALAR else _json_value(value, f"tag {name!r} of key {key!r}")
     return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from protocol.checks import DICT, only_types, plain_keys
+from protocol.checks import DICT, SCALAR, only_types, plain_keys
 
 __all__ = ["KVBatchMeta", "MetaKeyError", "MetaIndexError", "copy_tag", "copy_tags"]
 
@@ -40,24 +40,21 @@ class MetaIndexError(ValueError, IndexError):
     """Positions asked of a KVBatchMeta that are out of range or repeated."""
 
 
-_ATOMS = frozenset((str, int, float, bool, type(None)))
-
-
 def copy_tag(value: Any) -> Any:
     """A deep copy of a tag value; JSON-shaped values (the store's tags) are copied without ``copy.deepcopy``'s
     memo bookkeeping, which costs more than the rest of a large batch's construction."""
     kind = type(value)
     if kind is dict:
         out = value.copy()
-        if not only_types(out.values(), _ATOMS):  # most tags hold only atoms: one C-level pass
+        if not only_types(out.values(), SCALAR):  # most tags hold only atoms: one C-level pass
             for k, v in out.items():
-                if type(v) not in _ATOMS:
+                if type(v) not in SCALAR:
                     out[k] = copy_tag(v)
         return out
-    if kind in _ATOMS:
+    if kind in SCALAR:
         return value
     if kind is list:
-        return [v if type(v) in _ATOMS else copy_tag(v) for v in value]
+        return [v if type(v) in SCALAR else copy_tag(v) for v in value]
     return copy.deepcopy(value)
 
 
@@ -65,7 +62,7 @@ def copy_tags(tags: Iterable[Any]) -> list[Any]:
     """:func:`copy_tag` of each of ``tags``: dicts of atoms (nearly every trajectory tag) are copied and checked in
     a few C-level passes over the whole list, the rest one by one."""
     tags = list(tags)
-    if only_types(tags, DICT) and only_types(itertools.chain.from_iterable(map(dict.values, tags)), _ATOMS):
+    if only_types(tags, DICT) and only_types(itertools.chain.from_iterable(map(dict.values, tags)), SCALAR):
         return list(map(dict.copy, tags))
     return [copy_tag(t) for t in tags]  # a mixed list: the per-tag copy, which looks inside only where needed
 

@@ -291,8 +291,8 @@ class ReplayBuffer:
         chosen = usable[:batch_size]
         keys = [k for g in chosen for k in g.keys]
         tags = [t for g in chosen for t in g.tags]
-        after, sync = current_step + 1, cfg.parameter_sync_step
-        values = [(after - b) / sync for g in chosen for b in g.trajectory_born_steps()]  # staleness(), inlined
+        values = [staleness(current_step, b, cfg.parameter_sync_step) for g in chosen
+                  for b in g.trajectory_born_steps()]
         kept = sum(1 for g in chosen if g.status == PromptStatus.FAILURE)
         metrics.update(_stats(values, "off_policy/staleness"))
         metrics["replay/failed_groups_kept"] = float(kept)
