@@ -33,9 +33,19 @@ class StoreBridge:
         self.engine = engine
         self.store = store
 
-    def fetch_infer_inputs(self, meta: KVBatchMeta) -> TensorDict:
-        """The fields ``infer_batch`` reads, fetched once so several engines can score the same share."""
-        return self.store.fetch(meta.keys, meta.partition_id, INFER_FIELDS)
+    def fetch_infer_inputs(self, meta: KVBatchMeta, wants: Sequence[Sequence[str]] | None = None) -> TensorDict:
+        """The fields ``infer_batch`` reads, fetched once so several engines can score the same share.
+
+        ``wants``: every rank's keys (index = store rank) when the plan tells them; no request then travels."""
+        return self._fetch(meta, INFER_FIELDS, wants)
+
+    def _fetch(self, meta: KVBatchMeta, fields: Sequence[str], wants: Sequence[Sequence[str]] | None) -> TensorDict:
+        if wants is None:
+            return self.store.fetch(meta.keys, meta.partition_id, fields)
+        if list(wants[self.store.rank]) != meta.keys:
+            raise ValueError(f"planned fetch: this rank's {len(meta)} keys are not its entry of wants "
+                             f"({len(wants[self.store.rank])} keys)")
+        return self.store.fetch_planned(wants, meta.partition_id, fields)
 
     def infer(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, outputs: dict[str, str],
               temperature: float = 1.0, with_entropy: bool = False, data: TensorDict | None = None) -> KVBatchMeta:
@@ -54,9 +64,11 @@ class StoreBridge:
             self.store.kv_batch_put(meta.keys, meta.partition_id, TensorDict(out, batch_size=[len(meta)]))
         return meta
 
-    def train(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, use_kl_loss: bool) -> dict:
-        """One optimizer step on this rank's mini-batch share; returns the engine's metrics."""
-        data = self.store.fetch(meta.keys, meta.partition_id, train_fields(use_kl_loss))
+    def train(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, use_kl_loss: bool,
+              wants: Sequence[Sequence[str]] | None = None) -> dict:
+        """One optimizer step on this rank's mini-batch share; returns the engine's metrics (``wants``: as
+        :meth:`fetch_infer_inputs`)."""
+        data = self._fetch(meta, train_fields(use_kl_loss), wants)
         # padding samples are known by their tag; the engine counts them zero in every normaliser
         data.set("is_padding", torch.tensor([bool(t.get("is_padding", False)) for t in meta.tags], dtype=torch.bool))
         return self.engine.train_batch(Share(data, [list(mb) for mb in micro_batches]))

@@ -5,6 +5,9 @@ are replicated by :meth:`ShardedStore.sync` (metadata only). :meth:`ShardedStore
 each rank asks for the values it needs; each value travels once, from the rank that holds it straight to the
 rank that asked — never through one central rank. Under gloo the values follow the requests in one round trip
 when they are short (:meth:`ShardedStore._exchange_framed`); otherwise the ranks first tell each other the sizes.
+When every rank already knows every rank's request (a replicated plan), :meth:`ShardedStore.fetch_planned`
+sends no request, and nothing at all when every rank holds what it asks for. Every value carries the digest of
+the keys it belongs to, and the receiver checks it against the keys it asked for.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from protocol.store import KVStore, StepStore
 from protocol.store.columns import Column, gather_field
 from protocol.store.batching import batch_of
 from protocol.store.meta import copy_tag, copy_tags
-from rldispatch.collectives import gather_objects
+from rldispatch.collectives import gather_objects, key_digest
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 
@@ -78,18 +81,21 @@ def _join(field: str, keys: list[str], sent: list[tuple[list[str], torch.Tensor,
 _ALIGN = 8  # every tensor of a message starts at a multiple of this many bytes, so it is read in place
 
 
-def _encode(payload: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+Packed = tuple  # (values, offsets or None[, digest of the keys they belong to, or None])
+
+
+def _encode(payload: dict[str, Packed]) -> torch.Tensor:
     """One uint8 message of packed fields: an int64 header length, a JSON header (field, dtype, shape, offsets
-    count per field) and each tensor's raw bytes; no pickle, and the tensors are copied once."""
+    count, keys' digest per field) and each tensor's raw bytes; no pickle, and the tensors are copied once."""
     return torch.cat(_encoded_chunks(payload))
 
 
-def _encoded_chunks(payload: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+def _encoded_chunks(payload: dict[str, Packed]) -> list[torch.Tensor]:
     """The parts of :func:`_encode`'s message, in order (CPU uint8 tensors, each a multiple of 8 bytes)."""
     header, parts = [], []
-    for name, (values, offsets) in payload.items():
+    for name, (values, offsets, *digest) in payload.items():
         header.append([name, str(values.dtype).removeprefix("torch."), list(values.shape),
-                       -1 if offsets is None else offsets.numel()])
+                       -1 if offsets is None else offsets.numel(), digest[0] if digest else None])
         parts += [values] if offsets is None else [values, offsets.to(torch.int64)]
     head = json.dumps(header).encode()
     chunks = [torch.tensor([len(head)], dtype=torch.int64).view(torch.uint8),
@@ -107,7 +113,7 @@ def first_part_bytes(world: int) -> int:
     return max(64 << 10, FIRST_PART_TOTAL // max(world, 1)) // _ALIGN * _ALIGN
 
 
-def _frame(payload: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None) -> torch.Tensor:
+def _frame(payload: dict[str, Packed] | None) -> torch.Tensor:
     """:func:`_encode`'s message of ``payload`` (nothing for None) behind the frame's own int64 byte count."""
     chunks = [] if payload is None else _encoded_chunks(payload)
     size = _ALIGN + sum(c.numel() for c in chunks)
@@ -119,8 +125,9 @@ def _padded(raw: torch.Tensor) -> torch.Tensor:
     return raw if not gap else torch.cat([raw, raw.new_zeros(gap)])
 
 
-def _decode(msg: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """What :func:`_encode` packed; the tensors are views of ``msg`` (a CPU uint8 tensor)."""
+def _decode(msg: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, int | None]]:
+    """What :func:`_encode` packed, each field as (values, offsets, keys' digest); the tensors are views of
+    ``msg`` (a CPU uint8 tensor)."""
     at = _ALIGN
     n = int(msg[:at].view(torch.int64)[0])
     header = json.loads(bytes(msg[at:at + n].numpy()))
@@ -134,12 +141,12 @@ def _decode(msg: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | N
         return t
 
     out = {}
-    for name, dtype, shape, n_offsets in header:
+    for name, dtype, shape, n_offsets, digest in header:
         dt = getattr(torch, dtype, None)
         if not isinstance(dt, torch.dtype):
             raise DataPlaneError(f"field {name!r}: a peer sent values of an unknown dtype {dtype!r}")
         values = take(dt, shape)
-        out[name] = (values, None if n_offsets < 0 else take(torch.int64, [n_offsets]))
+        out[name] = (values, None if n_offsets < 0 else take(torch.int64, [n_offsets]), digest)
     return out
 
 
@@ -267,23 +274,48 @@ class ShardedStore(StepStore):
         held_here = self._holders(partition_id, keys, fields)  # fails before the collective, naming the culprit
         mine = (partition_id, keys, fields)
         requests = gather_objects(mine, group=self.group, device=self.device) if self.world > 1 else [mine]
+        served = [held_here if dst == self.rank else self._holders(part, want, names)
+                  for dst, (part, want, names) in enumerate(requests)]
+        return self._serve(requests, served, exchange=True)
+
+    def fetch_planned(self, wants: Sequence[Sequence[str]], partition_id: str, fields: Sequence[str]) -> TensorDict:
+        """Collective :meth:`fetch` when every rank knows what every rank asks: ``wants[r]`` are rank ``r``'s keys,
+        the same lists on every rank (from the replicated plan or locations). No request travels, and when every
+        rank holds all it asks for nothing does: the values are read in place. Returns this rank's fields.
+
+        A rank whose ``wants`` differ from a peer's gets a :class:`DataPlaneError` for the values it received."""
+        wants, fields = [list(w) for w in wants], list(fields)
+        if len(wants) != self.world:
+            raise ValueError(f"fetch_planned: {len(wants)} key lists for {self.world} ranks (one per rank)")
+        served = [self._holders(partition_id, want, fields) for want in wants]  # every rank raises the same error
+        moves = any(src != dst for dst, held in enumerate(served) for src in held)  # the same on every rank
+        return self._serve([(partition_id, want, fields) for want in wants], served, exchange=moves)
+
+    def _serve(self, requests: list[tuple[str, list[str], list[str]]], served: list[dict[int, dict[str, list[str]]]],
+               exchange: bool) -> TensorDict:
+        """Send each rank what it asked (``requests[dst]``) of the values held here (``served[dst]``: its holders,
+        as :meth:`_holders`), receive this rank's, and join them in the order asked."""
+        me = self.rank
+        partition_id, keys, fields = requests[me]
+        held_here = served[me]
         # a field this rank holds for every key is read in place below; what other ranks asked for is packed
-        whole = [f for f, ks in held_here.get(self.rank, {}).items() if len(ks) == len(keys)]
+        whole = [f for f, ks in held_here.get(me, {}).items() if len(ks) == len(keys)]
         outgoing: list[dict | None] = [None] * self.world
-        for dst, (part, want, names) in enumerate(requests):
-            by_field = held_here.get(self.rank, {}) if dst == self.rank else \
-                self._holders(part, want, names).get(self.rank, {})
+        for dst, (part, _, _) in enumerate(requests):
+            by_field = served[dst].get(me, {})
             reads: dict[int, tuple[list[str], list[str]]] = {}  # one read per key list (fields held together)
             for f, ks in by_field.items():
-                if not (dst == self.rank and f in whole):
+                if not (dst == me and f in whole):
                     reads.setdefault(id(ks), (ks, []))[1].append(f)
             packed = {}
             for ks, names_here in reads.values():
                 td = self.local.kv_batch_get(ks, part, select_fields=names_here)
-                packed.update({f: _pack(td.get(f)) for f in names_here})
+                digest = None if dst == me else key_digest(ks)  # the receiver checks it asked for these keys
+                packed.update({f: (*_pack(td.get(f)), digest) for f in names_here})
             if packed:
                 outgoing[dst] = {f: packed[f] for f in by_field if f in packed}
-        received = self._exchange(outgoing)
+        # nothing moves: what is addressed to other ranks is empty, and this rank's own part is all it gets
+        received = self._exchange(outgoing) if exchange else outgoing
         if not keys:
             return TensorDict({}, batch_size=[0])
         out = dict.fromkeys(fields)
@@ -292,6 +324,7 @@ class ShardedStore(StepStore):
             out.update({f: _as_joined(read.get(f)) for f in whole})
         # the sender's key order is known here (replicated locations), so only tensors travelled
         parts: dict[str, list[tuple[list[str], torch.Tensor, torch.Tensor | None]]] = defaultdict(list)
+        digests: dict[int, int] = {}
         for src, held in sorted(held_here.items()):
             payload = received[src]
             for f, ks in held.items():
@@ -299,9 +332,22 @@ class ShardedStore(StepStore):
                     continue
                 if payload is None or f not in payload:
                     raise DataPlaneError(f"rank {src} sent nothing for field {f!r} of {len(ks)} key(s) it holds")
-                parts[f].append((ks, *payload[f]))
+                values, offsets, digest = payload[f]
+                if src != me and id(ks) not in digests:
+                    digests[id(ks)] = key_digest(ks)
+                if src != me and digest != digests[id(ks)]:
+                    raise DataPlaneError(f"field {f!r}: rank {src} sent the values of other keys than the {len(ks)} "
+                                         f"this rank asked of it (the ranks' requests or locations differ)")
+                parts[f].append((ks, values, offsets))
         out.update({f: _join(f, keys, sent) for f, sent in parts.items()})
         return batch_of(out, len(keys))
+
+    def split_by_holder(self, keys: Sequence[str], partition_id: str, field: str) -> list[list[str]]:
+        """``keys`` split by the rank holding ``field`` (index = rank), each share in order; the same on every rank."""
+        out: list[list[str]] = [[] for _ in range(self.world)]
+        for k, r in zip(keys, self._ranks_of(keys, partition_id, field)):
+            out[r].append(k)
+        return out
 
     def _holders(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]
                  ) -> dict[int, dict[str, list[str]]]:

@@ -192,6 +192,7 @@ class StepState:
     sampled: KVBatchMeta | None = None  # the replay buffer's batch (real trajectories)
     plan: StepPlan | None = None
     own: list[str] = field(default_factory=list)  # trajectories generated on this rank (and padding on rank 0)
+    owners: list[list[str]] = field(default_factory=list)  # ``own`` of every rank (index = store rank)
     own_pad: torch.Tensor | None = None
     mine: KVBatchMeta | None = None  # this DP rank's share for inference
     infer_inputs: TensorDict | None = None
@@ -488,7 +489,8 @@ class GRPOTrainer:
         st.plan = plan
         st.metrics.update(plan.metrics)
         full = plan.full_meta(self.store)
-        st.own = self.store.local_keys(full.keys, TRAIN, "responses")  # trajectories this rank generated
+        st.owners = self.store.split_by_holder(full.keys, TRAIN, "responses")  # what each rank generated
+        st.own = st.owners[self.store.rank]
         st.own_pad = self._padding_flags(st.own, full)
         return full
 
@@ -506,8 +508,8 @@ class GRPOTrainer:
         cfg = self.cfg
         st.mine = st.plan.rank_meta(full, self.dp_rank)
         recompute = cfg.rollout.log_prob_mode == "recompute"
-        st.infer_inputs = self.bridge.fetch_infer_inputs(st.mine) if recompute or self.ref_bridge is not None \
-            else None
+        st.infer_inputs = self.bridge.fetch_infer_inputs(st.mine, self._infer_wants(st)) \
+            if recompute or self.ref_bridge is not None else None
         if recompute:
             self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
                               outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
@@ -524,17 +526,18 @@ class GRPOTrainer:
                               outputs={"log_probs": "ref_log_prob"}, temperature=self.cfg.rollout.temperature,
                               data=st.infer_inputs)
         self.store.sync()
-        self._kl_metrics(st.mine, st.infer_inputs, st.stats)
+        self._kl_metrics(st, st.infer_inputs)
         self._trace("ref", st.sampled, ["ref_log_prob"], "ref.infer_batch", "kl")
         return full
 
-    def _kl_metrics(self, mine: KVBatchMeta, inputs: TensorDict, stats: StepStats) -> None:
+    def _kl_metrics(self, st: "StepState", inputs: TensorDict) -> None:
         """``kl/*`` over real samples: per-sample masked mean of the estimator, from this rank's written share."""
+        mine, stats = st.mine, st.stats
         kl_vals, pad = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
-        wrote = len(mine) and self.engine.is_reporting_rank  # it wrote the share; other ranks of the replica did not
+        wrote = len(mine) and self.reporting  # it wrote the share; other ranks of the replica did not
         # recomputed old log-probs were written here too; in bypass mode they sit with the rollout (a collective)
         bypass = None if self.cfg.rollout.log_prob_mode == "recompute" else \
-            self.store.fetch(mine.keys if wrote else [], TRAIN, ["old_log_probs"])
+            self.store.fetch_planned(self._infer_wants(st, reporting_only=True), TRAIN, ["old_log_probs"])
         if wrote:
             fields = ["ref_log_prob"] if bypass is not None else ["ref_log_prob", "old_log_probs"]
             td = self.store.read_local(mine.keys, TRAIN, fields)
@@ -547,7 +550,7 @@ class GRPOTrainer:
         stats.masked("kl", kl_vals, pad)
 
     def _compute_advantage(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        self._advantage(st.own, st.own_pad)
+        self._advantage(st.owners, st.own_pad)
         self.store.sync()
         self._trace("advantage", st.sampled, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
         if self.cfg.debug.check_invariants:
@@ -555,8 +558,10 @@ class GRPOTrainer:
         return full
 
     def _update_actor(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        updates = [self.bridge.train(mb.meta(full), mb.micro_batches, use_kl_loss=self.cfg.actor.loss.use_kl_loss)
-                   for mb in st.plan.mini_batches(self.dp_rank)]
+        shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
+        updates = [self.bridge.train(mb.meta(full), mb.micro_batches, use_kl_loss=self.cfg.actor.loss.use_kl_loss,
+                                     wants=[[full.keys[j] for j in of_rank[i].indices] for of_rank in shares])
+                   for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
         st.metrics.update(combine_update_metrics(updates))
         self._sample_metrics(st.own, st.own_pad, st.stats)
         return full
@@ -596,6 +601,13 @@ class GRPOTrainer:
         td = self.store.read_local(own, TRAIN, fields)
         assert_invariants(td, keys=own, tags=self.store.tags_of(own, TRAIN))
 
+    def _infer_wants(self, st: "StepState", reporting_only: bool = False) -> list[list[str]]:
+        """Every store rank's keys of its inference share (index = rank), from the replicated plan, for a planned
+        fetch (only the replicas' reporting ranks ask, with ``reporting_only``)."""
+        topo = self.topology
+        return [st.plan.infer_keys(topo.dp_rank(r)) if not reporting_only or topo.is_reporting(r) else []
+                for r in range(self.store.world)]
+
     def _padding_flags(self, keys: list[str], full: KVBatchMeta) -> torch.Tensor:
         """``is_padding`` of each of ``keys``, from the step's replicated tags in ``full``."""
         padding = {k for k, t in zip(full.keys, full.tags) if t.get("is_padding")}
@@ -613,15 +625,17 @@ class GRPOTrainer:
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
             self.store.kv_batch_put(pad, TRAIN, batch_of({"old_log_probs": to_nested(zeros)}, len(pad)))
 
-    def _advantage(self, own: list[str], pad: torch.Tensor) -> None:
+    def _advantage(self, owners: list[list[str]], pad: torch.Tensor) -> None:
         """On the rank that holds each group (all of a group is generated on one rank): rewards, advantages.
 
-        Old and reference log-probs travel here only when the KL penalty enters the reward.
+        ``owners[r]``: the keys rank ``r`` generated. Old and reference log-probs travel here only when the KL
+        penalty enters the reward; the scores and masks are already here (nothing travels without it).
         """
+        own = owners[self.store.rank]
         cfg = self.cfg
         in_reward = cfg.algorithm.use_kl_in_reward  # config validation guarantees a reference
         need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else [])
-        td = self.store.fetch(own, TRAIN, need)
+        td = self.store.fetch_planned(owners, TRAIN, need)
         if own:
             lengths = nested_lengths(td["response_mask"])
             mask = jagged_to_padded(td["response_mask"]).float()

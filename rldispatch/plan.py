@@ -89,6 +89,10 @@ class StepPlan:
         """All samples of ``dp_rank`` for inference (log-probs), in the inference plan's order."""
         return full.select_idxs(self.infer.ranks[dp_rank].mini_batches[0].indices)
 
+    def infer_keys(self, dp_rank: int) -> list[str]:
+        """The keys of :meth:`rank_meta`, from the plan alone (every rank can name every rank's share)."""
+        return [self.keys[i] for i in self.infer.ranks[dp_rank].mini_batches[0].indices]
+
     def infer_micro_batches(self, dp_rank: int) -> list[list[int]]:
         return self.infer.ranks[dp_rank].mini_batches[0].micro_batches
 

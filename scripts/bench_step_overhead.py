@@ -155,7 +155,7 @@ def one_step(t, step: int, on_stage=None) -> dict[str, float]:
     full = timed("plan", t._plan, meta, st)
     timed("reward", t._compute_reward, full, st)
     st.mine = timed("dispatch", lambda: st.plan.rank_meta(full, t.dp_rank))
-    inputs = timed("dispatch_fetch", t.bridge.fetch_infer_inputs, st.mine)
+    inputs = timed("dispatch_fetch", t.bridge.fetch_infer_inputs, st.mine, t._infer_wants(st))
     times["dispatch"] += times.pop("dispatch_fetch")
     timed("old_log_prob", t._bypass_old_log_probs, st.own, st.own_pad)
     t.store.sync()
@@ -168,7 +168,7 @@ def one_step(t, step: int, on_stage=None) -> dict[str, float]:
                                                        "ref_log_prob": old["old_log_probs"] - 0.1},
                                                       batch_size=[len(share)]))
     t.store.sync()
-    timed("kl", t._kl_metrics, st.mine, inputs, st.stats)
+    timed("kl", t._kl_metrics, st, inputs)
     timed("advantage", t._compute_advantage, full, st)
     timed("metrics", t._sample_metrics, st.own, st.own_pad, st.stats)
     timed("clear", t._clear, full, st)

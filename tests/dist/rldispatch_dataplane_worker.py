@@ -55,6 +55,44 @@ def main() -> None:
     got = store.fetch(want if rank == 0 else [], "train", ["x"])
     assert len(got) == (4 if rank == 0 else 0)
 
+    # a planned fetch (every rank names every rank's keys) gives what fetch gives, with no request sent
+    wants = [[f"u{(r + 1) % world}_2_0", f"u{r}_1_0", f"u{(r + 1) % world}_0_0"] for r in range(world)]
+    planned, asked = store.fetch_planned(wants, "train", ["x", "score"]), store.fetch(wants[rank], "train", ["x", "score"])
+    assert [v.tolist() for v in planned["x"].unbind()] == [v.tolist() for v in asked["x"].unbind()]
+    assert planned["score"].tolist() == asked["score"].tolist()
+    listed = sorted(store.kv_list("train")["train"])
+    assert store.split_by_holder(listed, "train", "x") == [[k for k in listed if k.startswith(f"u{r}_")]
+                                                           for r in range(world)]
+
+    # when every rank holds what it asks for, a planned fetch communicates not at all
+    def no_collective(*_, **__):
+        raise AssertionError("a planned fetch of held values communicated")
+
+    saved = dist.all_gather, dist.batch_isend_irecv
+    dist.all_gather = dist.batch_isend_irecv = no_collective
+    try:
+        local = store.fetch_planned([[f"u{r}_2_0", f"u{r}_0_0"] for r in range(world)], "train", ["x", "score"])
+    finally:
+        dist.all_gather, dist.batch_isend_irecv = saved
+    assert [v.tolist() for v in local["x"].unbind()] == [value_of(f"u{rank}_{i}_0").tolist() for i in (2, 0)]
+    try:
+        store.fetch_planned(wants[:1], "train", ["x"])
+    except ValueError as exc:
+        assert "one per rank" in str(exc)
+    else:
+        raise AssertionError("a wants list of the wrong length was not refused")
+
+    # ranks that name rank 0's keys in other orders: rank 0 refuses what it received instead of joining it
+    skewed = [list(w) for w in wants]
+    if rank == 1:
+        skewed[0] = [skewed[0][2], skewed[0][1], skewed[0][0]]
+    try:
+        store.fetch_planned(skewed, "train", ["x"])
+    except DataPlaneError as exc:
+        assert rank == 0 and "other keys" in str(exc), (rank, exc)
+    else:
+        assert rank == 1, "rank 0 joined values of keys it did not ask for"
+
     # a missing field is named before any collective starts
     try:
         store.fetch([f"u{other}_0_0"], "train", ["nope"])

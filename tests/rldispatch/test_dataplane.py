@@ -48,7 +48,8 @@ def test_a_message_carries_every_dtype_and_shape_bit_exact():
     got = _decode(msg.clone())
     assert list(got) == list(payload)
     for name, (values, offsets) in payload.items():
-        v, o = got[name]
+        v, o, digest = got[name]
+        assert digest is None, name
         assert v.dtype == values.dtype and v.shape == values.shape and torch.equal(v, values), name
         assert (o is None) == (offsets is None) and (o is None or torch.equal(o, offsets)), name
     n = int(msg[:8].view(torch.int64)[0])
@@ -99,3 +100,29 @@ def test_joining_what_holders_sent_follows_the_one_length_rule():
     assert _as_joined(torch.tensor([1.5, 2.5])).tolist() == [1.5, 2.5]
     other = (["c"], *_pack(torch.tensor([0.5])))
     assert _join("s", ["c", "a", "b"], [scalars, other]).tolist() == [0.5, 1.5, 2.5]
+
+
+def test_a_planned_fetch_on_one_process_reads_in_place_and_checks_the_share():
+    """One process: a planned fetch reads what it holds in place, like fetch; the bridge refuses a ``wants`` whose
+    entry for this rank is not the share it fetches (the planned lists and the share would disagree)."""
+    import torch
+    from tensordict import TensorDict
+
+    from protocol.batch.nested import to_nested
+    from protocol.store import LocalStore
+    from protocol.store.meta import KVBatchMeta
+    from rldispatch.bridge import StoreBridge
+    from rldispatch.dataplane import ShardedStore
+
+    store = ShardedStore(LocalStore())
+    keys = ["u0_0_0", "u0_1_0", "u0_2_0"]
+    rows = [torch.arange(n, dtype=torch.float32) for n in (2, 0, 3)]
+    store.kv_batch_put(keys, "train", TensorDict({"x": to_nested(rows), "s": torch.tensor([1.0, 2.0, 3.0])},
+                                                 batch_size=[3]))
+    want = ["u0_2_0", "u0_0_0"]
+    got, asked = store.fetch_planned([want], "train", ["x", "s"]), store.fetch(want, "train", ["x", "s"])
+    assert [r.tolist() for r in got["x"].unbind()] == [r.tolist() for r in asked["x"].unbind()] == [[0, 1, 2], [0, 1]]
+    assert got["s"].tolist() == [3.0, 1.0]
+    assert store.split_by_holder(keys, "train", "s") == [keys]
+    with pytest.raises(ValueError, match="not its entry of wants"):
+        StoreBridge(None, store).fetch_infer_inputs(KVBatchMeta("train", want), [keys])
