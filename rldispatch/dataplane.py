@@ -228,6 +228,10 @@ class ShardedStore(StepStore):
             raise DataPlaneError(f"field {field!r} of key {key!r} (partition {partition_id!r}) is held by no rank") \
                 from None
 
+    def holds(self, key: str, field: str, partition_id: str) -> bool:
+        """Whether this rank holds ``field`` of ``key``; known from its own writes, before any sync."""
+        return self._where.get(partition_id, {}).get(field, {}).get(key) == self.rank
+
     def _ranks_of(self, keys: Sequence[str], partition_id: str, field: str) -> list[int]:
         """The rank holding ``field`` of each of ``keys`` (one pass; a key or field no rank holds is named)."""
         held = self._where.get(partition_id, {}).get(field, {})

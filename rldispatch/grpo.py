@@ -500,7 +500,8 @@ class GRPOTrainer:
         self._reward_extra_metrics(result, st.own_pad, st.stats)
         st.stats.sum("samples/real", float((~st.own_pad).sum()))
         st.stats.sum("samples/padding", float(st.own_pad.sum()))
-        self.store.sync()
+        # no sync: nothing reads the scores before the advantage, and their locations reach the peers with the
+        # old-log-prob stage's sync (before it, a peer would find no location for them: a DataPlaneError)
         self._trace("reward", st.sampled, ["rm_scores"], "reward_manager", "advantage")
         return full
 
@@ -673,7 +674,7 @@ class GRPOTrainer:
         if not self.trace.enabled:
             return
         sel = [k for k in meta.keys if uid_of(k) == self.trace.sample_uid]
-        own = [k for k in sel if all(self.store.location(k, f, TRAIN) == self.ctx.rank for f in fields)]
+        own = [k for k in sel if all(self.store.holds(k, f, TRAIN) for f in fields)]
         if not own:
             return
         td = self.store.read_local(own, TRAIN, fields)

@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -122,7 +121,6 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     t.kl_ctrl = FixedKLController(cfg.algorithm.kl_ctrl.kl_coef)
     t.metrics = MetricsLogger(t.run_dir, rank == 0, tensorboard=False)
     t.trace = TraceRecorder(str(work / f"trace{rank}.jsonl"), enabled=False, rank=rank)
-    t.engine = SimpleNamespace(is_reporting_rank=t.reporting)  # _kl_metrics asks whether this rank wrote its share
     t.gc = StepGC(cfg.trainer.gc_interval)  # started by the caller, as fit() does
     t.step = 0
     return t
