@@ -111,3 +111,24 @@ def test_overhead_fraction_counts_the_non_model_stages_only():
     assert overhead_fraction(times, 6.0) == pytest.approx(1.0 / 6.0)
     assert overhead_fraction({"timing_s/update": 2.0}, 2.0) == 0.0
     assert overhead_fraction(times, 0.0) == 0.0
+
+
+def test_the_collectives_of_each_stage_do_not_grow_with_the_batch(torchrun, tmp_path):
+    """2 gloo ranks, a real step at 64 and 256 trajectories: each stage starts the same collectives at both sizes,
+    and the planned fetches and the reward add none of their own (no request goes out: every rank knows every rank's
+    share from the replicated plan; the scores' locations travel with the next stage's sync). Counts, not times."""
+    import json
+
+    torchrun("rldispatch_step_rounds_worker.py", 2, str(tmp_path))
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"rounds{rank}.json").read_text())
+        small, large = counts["64"], counts["256"]
+        assert small == large, (rank, small, large)
+        assert "reward" not in small, small  # scoring and its metrics are local; its sync rides on the next one
+        # the infer inputs' fetch: values only (one point-to-point batch), no request all-gather
+        assert small["dispatch"] == {"batch_isend_irecv": 1}, small
+        # the KL reads old log-probs the scoring rank holds here (the bench writes them there, as a recompute
+        # would): a planned fetch of held values communicates not at all
+        assert "kl" not in small, small
+        # the advantage: the log-probs for the KL penalty come in one batch, then the one sync of what it wrote
+        assert small["advantage"] == {"batch_isend_irecv": 1, "all_gather": 1}, small

@@ -11,7 +11,7 @@ from dispatch import PlanError, Topology
 from protocol.store.keys import trajectory_key, trajectory_tag
 from protocol.store.meta import KVBatchMeta
 from rldispatch.config import load_config
-from rldispatch.plan import make_step_plan, prepare_step_plan
+from rldispatch.plan import PIECE_SETUP, make_step_plan, prepare_step_plan
 
 
 def sampled(groups: int, n: int, seed: int) -> KVBatchMeta:
@@ -54,7 +54,7 @@ def test_any_split_of_the_pieces_gives_the_one_process_plan(minis, n, mini, epoc
         assert mine.baseline_workload == ref.baseline_workload
     # heaviest piece first to the least-loaded rank: no rank carries more than the lightest one plus one piece
     owners = job.owners(world)
-    costs = [j.cost(i) for j in (job.train, job.infer) for i in range(len(j))]
+    costs = [j.cost(i) + PIECE_SETUP for j in (job.train, job.infer) for i in range(len(j))]
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
     assert max(loads) - min(loads) <= max(costs) and job.owners(world) == owners
 
