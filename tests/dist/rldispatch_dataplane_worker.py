@@ -60,6 +60,8 @@ def main() -> None:
     planned, asked = store.fetch_planned(wants, "train", ["x", "score"]), store.fetch(wants[rank], "train", ["x", "score"])
     assert [v.tolist() for v in planned["x"].unbind()] == [v.tolist() for v in asked["x"].unbind()]
     assert planned["score"].tolist() == asked["score"].tolist()
+    assert store.holds(f"u{rank}_0_0", "x", "train") and not store.holds(f"u{other}_0_0", "x", "train")
+    assert not store.holds(f"u{rank}_0_0", "nope", "train") and not store.holds("u9_9_9", "x", "train")
     listed = sorted(store.kv_list("train")["train"])
     assert store.split_by_holder(listed, "train", "x") == [[k for k in listed if k.startswith(f"u{r}_")]
                                                            for r in range(world)]

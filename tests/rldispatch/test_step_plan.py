@@ -57,6 +57,10 @@ def test_any_split_of_the_pieces_gives_the_one_process_plan(minis, n, mini, epoc
     costs = [j.cost(i) + PIECE_SETUP for j in (job.train, job.infer) for i in range(len(j))]
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
     assert max(loads) - min(loads) <= max(costs) and job.owners(world) == owners
+    # every rank names every DP rank's inference share from the plan alone (the keys of a planned fetch)
+    for d in range(dp):
+        assert got.infer_keys(d) == [got.keys[i] for i in got.infer.ranks[d].mini_batches[0].indices]
+    assert sorted(k for d in range(dp) for k in got.infer_keys(d)) == sorted(got.keys)
 
 
 def test_a_failed_piece_is_raised_on_every_rank_and_a_missing_one_is_an_error():
