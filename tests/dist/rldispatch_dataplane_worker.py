@@ -95,6 +95,21 @@ def main() -> None:
     else:
         assert rank == 1, "rank 0 joined values of keys it did not ask for"
 
+    # the size-exchange path NCCL takes (gloo runs it too) gives the same values and the same refusal
+    store._gloo = False
+    try:
+        sized = store.fetch_planned(wants, "train", ["x", "score"])
+        assert [v.tolist() for v in sized["x"].unbind()] == [v.tolist() for v in asked["x"].unbind()]
+        assert sized["score"].tolist() == asked["score"].tolist()
+        try:
+            store.fetch_planned(skewed, "train", ["x"])
+        except DataPlaneError as exc:
+            assert rank == 0 and "other keys" in str(exc), (rank, exc)
+        else:
+            assert rank == 1, "rank 0 joined values of keys it did not ask for (size exchange)"
+    finally:
+        store._gloo = True
+
     # a missing field is named before any collective starts
     try:
         store.fetch([f"u{other}_0_0"], "train", ["nope"])
