@@ -328,7 +328,9 @@ class ShardedStore(StepStore):
             out.update({f: _as_joined(read.get(f)) for f in whole})
         # the sender's key order is known here (replicated locations), so only tensors travelled
         parts: dict[str, list[tuple[list[str], torch.Tensor, torch.Tensor | None]]] = defaultdict(list)
-        digests: dict[int, int] = {}
+        # the digest of each key list asked of a peer, once per list (fields held together share one)
+        asked = {id(ks): ks for src, held in held_here.items() if src != me for ks in held.values()}
+        digests = {i: key_digest(ks) for i, ks in asked.items()}
         for src, held in sorted(held_here.items()):
             payload = received[src]
             for f, ks in held.items():
@@ -337,8 +339,6 @@ class ShardedStore(StepStore):
                 if payload is None or f not in payload:
                     raise DataPlaneError(f"rank {src} sent nothing for field {f!r} of {len(ks)} key(s) it holds")
                 values, offsets, digest = payload[f]
-                if src != me and id(ks) not in digests:
-                    digests[id(ks)] = key_digest(ks)
                 if src != me and digest != digests[id(ks)]:
                     raise DataPlaneError(f"field {f!r}: rank {src} sent the values of other keys than the {len(ks)} "
                                          f"this rank asked of it (the ranks' requests or locations differ)")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tensordict import TensorDict
@@ -85,16 +85,23 @@ class StepPlan:
     def full_meta(self, store, partition_id: str = "train") -> KVBatchMeta:
         return KVBatchMeta.adopt(partition_id, list(self.keys), store.tags_of(self.keys, partition_id))  # fresh copies
 
+    def keys_of(self, indices: Sequence[int]) -> list[str]:
+        """The step's keys at ``indices`` (positions into :attr:`keys`): a share named from the plan alone."""
+        return [self.keys[i] for i in indices]
+
+    def _infer_share(self, dp_rank: int):
+        return self.infer.ranks[dp_rank].mini_batches[0]  # inference: one mini-batch of every sample
+
     def rank_meta(self, full: KVBatchMeta, dp_rank: int) -> KVBatchMeta:
         """All samples of ``dp_rank`` for inference (log-probs), in the inference plan's order."""
-        return full.select_idxs(self.infer.ranks[dp_rank].mini_batches[0].indices)
+        return full.select_idxs(self._infer_share(dp_rank).indices)
 
     def infer_keys(self, dp_rank: int) -> list[str]:
         """The keys of :meth:`rank_meta`, from the plan alone (every rank can name every rank's share)."""
-        return [self.keys[i] for i in self.infer.ranks[dp_rank].mini_batches[0].indices]
+        return self.keys_of(self._infer_share(dp_rank).indices)
 
     def infer_micro_batches(self, dp_rank: int) -> list[list[int]]:
-        return self.infer.ranks[dp_rank].mini_batches[0].micro_batches
+        return self._infer_share(dp_rank).micro_batches
 
     def mini_batches(self, dp_rank: int) -> list[MiniBatchShare]:
         return [MiniBatchShare(mb.indices, mb.micro_batches) for mb in self.train.ranks[dp_rank].mini_batches]

@@ -60,6 +60,8 @@ def test_any_split_of_the_pieces_gives_the_one_process_plan(minis, n, mini, epoc
     # every rank names every DP rank's inference share from the plan alone (the keys of a planned fetch)
     for d in range(dp):
         assert got.infer_keys(d) == [got.keys[i] for i in got.infer.ranks[d].mini_batches[0].indices]
+        assert [got.keys_of(mb.indices) for mb in got.mini_batches(d)] == \
+            [[got.keys[i] for i in mb.indices] for mb in got.train.ranks[d].mini_batches]
     assert sorted(k for d in range(dp) for k in got.infer_keys(d)) == sorted(got.keys)
 
 
