@@ -24,7 +24,7 @@ from tensordict import TensorDict
 
 from protocol.batch.nested import is_jagged, jagged_parts, nested_from_lengths, nested_from_values
 from protocol.store import KVStore, StepStore
-from protocol.store.columns import Column, gather_field
+from protocol.store.columns import Column, _ranges, gather_field
 from protocol.store.batching import batch_of
 from protocol.store.meta import copy_tag, copy_tags
 from rldispatch.collectives import gather_objects, key_digest
@@ -62,20 +62,60 @@ def _as_joined(value: torch.Tensor) -> torch.Tensor:
     return nested_from_lengths(value.reshape(-1, *value.shape[2:]), np.full(n, width, dtype=np.int64))
 
 
-def _join(field: str, keys: list[str], sent: list[tuple[list[str], torch.Tensor, torch.Tensor | None]]
-          ) -> torch.Tensor:
+def positions(keys: Sequence[str], lists: Sequence[Sequence[str]]) -> np.ndarray:
+    """Where each of ``keys`` sits in ``lists`` laid end to end (every key in exactly one list): the permutation a
+    join of rows sent in those lists applies, computed once for every field sent in the same lists."""
+    at = {k: i for i, k in enumerate(itertools.chain.from_iterable(lists))}
+    return np.fromiter(map(at.__getitem__, keys), dtype=np.int64, count=len(keys))
+
+
+def _join(field: str, keys: list[str], sent: list[tuple[list[str], torch.Tensor, torch.Tensor | None]],
+          order: np.ndarray | None = None) -> torch.Tensor:
     """The rows of ``keys`` (in order) from what each holder sent (its keys, in the order it read them, with their
     values and offsets); anything with a length comes back jagged, whichever rank sent it and however long its rows
-    happen to be."""
+    happen to be. ``order``: :func:`positions` of ``keys`` in the senders' lists, when the caller has it."""
     for ks, flat, offsets in sent:
         _check_rows(field, ks, flat, offsets)
     if len(sent) == 1:  # one holder sent every key, in this order: its buffer is the field (no second copy)
         (_, flat, offsets), = sent
         return _as_joined(flat) if offsets is None else nested_from_values(flat, offsets)
+    if order is None:
+        order = positions(keys, [ks for ks, _, _ in sent])
+    joined = _join_rows([(flat, offsets) for _, flat, offsets in sent], order)
+    if joined is not None:
+        return joined
+    # parts of different dtypes or row shapes: the per-column join decides, or names the problem
     cols = [Column(field, flat, None if offsets is None else offsets.tolist(), ks) for ks, flat, offsets in sent]
     jagged = any(c.offsets is not None or c.values.dim() > 1 for c in cols)
     row_of = {k: (c, i) for c in cols for i, k in enumerate(c.keys)}
     return gather_field(field, [row_of[k] for k in keys], jagged)
+
+
+def _join_rows(parts: list[tuple[torch.Tensor, torch.Tensor | None]], order: np.ndarray) -> torch.Tensor | None:
+    """Rows ``order`` of the parts laid end to end, with one concatenation and one gather whatever the number of
+    keys: 0-d rows dense, rows with a length jagged. None when the parts do not share a dtype and row shape."""
+    if len({flat.dtype for flat, _ in parts}) != 1:
+        return None
+    if all(offsets is None and flat.dim() == 1 for flat, offsets in parts):  # one scalar per key
+        return torch.cat([flat for flat, _ in parts]).index_select(0, torch.from_numpy(order))
+    tokens, lengths = [], []
+    for flat, offsets in parts:
+        if offsets is not None:
+            tokens.append(flat)
+            lengths.append(offsets.diff().numpy())
+        elif flat.dim() >= 2:  # dense rows of one length
+            tokens.append(flat.reshape(-1, *flat.shape[2:]))
+            lengths.append(np.full(flat.shape[0], flat.shape[1], dtype=np.int64))
+        else:
+            return None
+    if len({t.shape[1:] for t in tokens}) != 1:
+        return None
+    every = np.concatenate(lengths)
+    starts = np.zeros_like(every)
+    np.cumsum(every[:-1], out=starts[1:])
+    rows = every[order]
+    values = torch.cat(tokens).index_select(0, torch.from_numpy(_ranges(starts[order], rows)))
+    return nested_from_lengths(values, rows)
 
 
 _ALIGN = 8  # every tensor of a message starts at a multiple of this many bytes, so it is read in place
@@ -272,6 +312,31 @@ class ShardedStore(StepStore):
                 self._apply(src, update)
         return [extra for _, extra in gathered]
 
+    def sync_planned(self, writes: Sequence[Sequence[str]], partition_id: str, fields: Sequence[str]) -> None:
+        """:meth:`sync` of one put that every rank knows of, without communication: rank ``r`` wrote ``fields``
+        (values, no tags) of ``writes[r]`` (the same lists on every rank: from the replicated plan or locations).
+
+        Every rank calls it. This rank's own entry must be exactly one of its unsynced puts (none when its list is
+        empty), which it takes off the pending list; the peers' entries are recorded as their writes. So when every
+        rank passes its own check, what each rank records is what every rank wrote."""
+        writes, fields = [list(w) for w in writes], list(fields)
+        if len(writes) != self.world:
+            raise ValueError(f"sync_planned: {len(writes)} key lists for {self.world} ranks (one per rank)")
+        own, wrote = writes[self.rank], sorted(fields)
+        at = [i for i, (p, ks, tags, names) in enumerate(self._pending)
+              if p == partition_id and tags is None and ks == own and sorted(names) == wrote]
+        others = [i for i, (p, _, _, names) in enumerate(self._pending)
+                  if p == partition_id and i not in at and set(names) & set(fields)]
+        if len(at) != (1 if own else 0) or others:
+            raise DataPlaneError(
+                f"sync_planned: this rank's unsynced puts of partition {partition_id!r} are not the one put of "
+                f"{fields} to its {len(own)} planned key(s): "
+                f"{[(len(ks), names) for p, ks, _, names in self._pending if p == partition_id]}")
+        self._pending = [put for i, put in enumerate(self._pending) if i not in at]
+        for src, keys in enumerate(writes):
+            if src != self.rank and keys:
+                self._apply(src, (partition_id, keys, None, fields))
+
     def fetch(self, keys: Sequence[str], partition_id: str, fields: Sequence[str]) -> TensorDict:
         """Collective: every rank gets the ``fields`` of its own ``keys`` (possibly none), in the order asked."""
         keys, fields = list(keys), list(fields)
@@ -343,7 +408,13 @@ class ShardedStore(StepStore):
                     raise DataPlaneError(f"field {f!r}: rank {src} sent the values of other keys than the {len(ks)} "
                                          f"this rank asked of it (the ranks' requests or locations differ)")
                 parts[f].append((ks, values, offsets))
-        out.update({f: _join(f, keys, sent) for f, sent in parts.items()})
+        orders: dict[tuple[int, ...], np.ndarray] = {}  # fields sent in the same key lists share one permutation
+        for f, sent in parts.items():
+            lists = [ks for ks, _, _ in sent]
+            layout = tuple(map(id, lists))
+            if len(lists) > 1 and layout not in orders:
+                orders[layout] = positions(keys, lists)
+            out[f] = _join(f, keys, sent, orders.get(layout))
         return batch_of(out, len(keys))
 
     def split_by_holder(self, keys: Sequence[str], partition_id: str, field: str) -> list[list[str]]:

@@ -40,7 +40,7 @@ from protocol.rollout.dataset import RLHFDataset, ground_truth_of
 from protocol.invariants import assert_invariants
 from protocol.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from protocol.store.meta import KVBatchMeta
-from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged, to_nested
+from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged_many, to_nested
 from protocol.store.replay_buffer import ReplayBuffer, ReplayBufferError
 import protocol.rollout.tasks  # noqa: F401  (registers the task scorers by data_source)
 from protocol.algos.reward import (RewardInput, RewardResult, build_reward_manager, compute_rm_scores,
@@ -154,6 +154,8 @@ def batch_indices(num_rows: int, batch_size: int, step: int, seed: int, shuffle:
 #: Stages whose time is the models' (rollout generation, log-probs of the policy and the reference, the update,
 #: the weight sync); every other stage (sample, plan, reward, advantage, clear) is the step's own overhead.
 MODEL_STAGES = ("rollout", "old_log_prob", "ref", "update", "weight_sync")
+#: what the advantage stage writes, on the rank that generated each group
+ADVANTAGE_FIELDS = ("token_level_scores", "token_level_rewards", "advantages", "returns")
 
 
 def overhead_fraction(times: dict[str, float], step_seconds: float) -> float:
@@ -552,7 +554,8 @@ class GRPOTrainer:
 
     def _compute_advantage(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         self._advantage(st.owners, st.own_pad)
-        self.store.sync()
+        # each rank wrote its own groups' fields, which every rank knows: their locations need no collective
+        self.store.sync_planned(st.owners, TRAIN, ADVANTAGE_FIELDS)
         self._trace("advantage", st.sampled, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
         if self.cfg.debug.check_invariants:
             self._check_invariants(st.own)
@@ -655,10 +658,8 @@ class GRPOTrainer:
             takes = inspect.signature(get_advantage_fn(cfg.algorithm.adv_estimator)).parameters
             adv, ret = compute_advantage(cfg.algorithm.adv_estimator,
                                          **{k: v for k, v in kwargs.items() if k in takes})
-            fields = {"token_level_scores": padded_to_jagged(scores, lengths),
-                      "token_level_rewards": padded_to_jagged(rewards, lengths),
-                      "advantages": padded_to_jagged(adv.float(), lengths),
-                      "returns": padded_to_jagged(ret.float(), lengths)}
+            values = (scores, rewards, adv.float(), ret.float())
+            fields = dict(zip(ADVANTAGE_FIELDS, padded_to_jagged_many(values, lengths)))
             self.store.kv_batch_put(own, TRAIN, batch_of(fields, len(own)))
 
     def _sample_metrics(self, own: list[str], pad: torch.Tensor, stats: StepStats) -> None:

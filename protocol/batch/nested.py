@@ -50,6 +50,7 @@ __all__ = [
     "nested_offsets",
     "nested_values",
     "padded_to_jagged",
+    "padded_to_jagged_many",
     "jagged_to_padded",
     "jagged_parts",
     "response_to_nested",
@@ -299,21 +300,40 @@ def padded_to_jagged(padded: Tensor, lengths: Tensor) -> Tensor:
     >>> padded_to_jagged(torch.tensor([[1, 2, 0], [3, 0, 0]]), torch.tensor([2, 1])).values().tolist()
     [1, 2, 3]
     """
-    if not isinstance(padded, Tensor) or padded.is_nested:
-        raise TypeError(f"padded: expected a dense tensor [n, L, ...], found {type(padded).__name__}")
-    if padded.dim() < 2:
-        raise NestedShapeError(f"padded: expected shape [n, L, ...], found {tuple(padded.shape)}")
-    lengths = _check_lengths(lengths).to(padded.device)
-    n, width = padded.shape[0], padded.shape[1]
+    return padded_to_jagged_many([padded], lengths)[0]
+
+
+def padded_to_jagged_many(padded: Sequence[Tensor], lengths: Tensor) -> list[Tensor]:
+    """:func:`padded_to_jagged` of several ``[n, L, ...]`` tensors cut at the same ``lengths``: the lengths are
+    checked, and the row mask and offsets made, once (the jagged tensors share their offsets).
+
+    >>> [t.values().tolist() for t in padded_to_jagged_many([torch.ones(2, 2), torch.zeros(2, 2)], torch.tensor([1, 2]))]
+    [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+    padded = list(padded)
+    for t in padded:
+        if not isinstance(t, Tensor) or t.is_nested:
+            raise TypeError(f"padded: expected a dense tensor [n, L, ...], found {type(t).__name__}")
+        if t.dim() < 2:
+            raise NestedShapeError(f"padded: expected shape [n, L, ...], found {tuple(t.shape)}")
+        if t.shape[:2] != padded[0].shape[:2] or t.device != padded[0].device:
+            raise NestedShapeError(f"padded: every tensor must have the rows and width {tuple(padded[0].shape[:2])} "
+                                   f"on {padded[0].device} of the first, found {tuple(t.shape[:2])} on {t.device}")
+    if not padded:
+        return []
+    first = padded[0]
+    lengths = _check_lengths(lengths).to(first.device)
+    n, width = first.shape[0], first.shape[1]
     if lengths.numel() != n:
         raise NestedShapeError(f"lengths: expected {n} entries (one per row of padded), found {lengths.numel()}")
-    if n and int(lengths.max()) > width:
+    lo, hi = (int(lengths.min()), int(lengths.max())) if n else (0, 0)  # lengths are checked: len >= 0
+    if hi > width:
         i = int(torch.nonzero(lengths > width)[0, 0])
         raise NestedShapeError(f"lengths[{i}] = {int(lengths[i])} exceeds the padded width L = {width} "
                                f"(sample {i} would read past its row)")
-    keep = torch.arange(width, device=padded.device).unsqueeze(0) < lengths.unsqueeze(1)
-    lo, hi = (int(lengths.min()), int(lengths.max())) if n else (0, 0)  # lengths are checked: 0 <= len <= L
-    return _jagged(padded[keep], _offsets_from_lengths(lengths), lo, hi)
+    keep = torch.arange(width, device=first.device).unsqueeze(0) < lengths.unsqueeze(1)
+    offsets = _offsets_from_lengths(lengths)
+    return [_jagged(t[keep], offsets, lo, hi) for t in padded]
 
 
 def jagged_to_padded(nt: Tensor, pad_value: float | int | bool = 0, max_len: int | None = None) -> Tensor:

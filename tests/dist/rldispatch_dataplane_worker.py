@@ -84,6 +84,32 @@ def main() -> None:
     else:
         raise AssertionError("a wants list of the wrong length was not refused")
 
+    # a put every rank knows of reaches every rank's locations with no communication
+    planned_puts = [[f"u{r}_1_0", f"u{r}_0_0"] for r in range(world)]
+    store.kv_batch_put(planned_puts[rank], "train", TensorDict({"adv": torch.tensor([1.0, 0.0]) + 10 * rank},
+                                                                batch_size=[2]))
+    dist.all_gather = dist.batch_isend_irecv = no_collective
+    try:
+        store.sync_planned(planned_puts, "train", ["adv"])
+    finally:
+        dist.all_gather, dist.batch_isend_irecv = saved
+    assert store.location(f"u{other}_0_0", "adv", "train") == other and not store._pending
+    got = store.fetch([f"u{other}_0_0", f"u{rank}_1_0"], "train", ["adv"])
+    assert got["adv"].tolist() == [10.0 * other, 1.0 + 10 * rank]
+    # this rank's own entry must be its put: one it did not make, or one with another put of the field, is refused
+    for puts in ([[f"u{r}_2_0"] for r in range(world)], planned_puts):
+        if puts is planned_puts:
+            store.kv_batch_put([f"u{rank}_2_0"], "train", TensorDict({"adv": torch.zeros(1)}, batch_size=[1]))
+            store.kv_batch_put(planned_puts[rank], "train", TensorDict({"adv": torch.zeros(2)}, batch_size=[2]),
+                               overwrite=True)
+        try:
+            store.sync_planned(puts, "train", ["adv"])
+        except DataPlaneError as exc:
+            assert "sync_planned" in str(exc) and "'adv'" in str(exc), exc
+        else:
+            raise AssertionError(f"a planned sync of puts this rank did not make alone was accepted: {puts}")
+    store.sync()  # what was refused is still pending: a plain sync replicates it
+
     # ranks that name rank 0's keys in other orders: rank 0 refuses what it received instead of joining it; the
     # size-exchange path NCCL takes (gloo runs it too) gives the same values and the same refusal
     skewed = [list(w) for w in wants]

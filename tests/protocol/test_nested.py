@@ -1,6 +1,7 @@
 """Jagged <-> padded <-> packed conversions: round trips, the log-prob shift, and every refusal."""
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -21,6 +22,7 @@ from protocol.batch.nested import (
     padded_to_packed,
     jagged_to_padded,
     padded_to_jagged,
+    padded_to_jagged_many,
     response_from_nested,
     response_to_nested,
     response_values_from_packed,
@@ -161,6 +163,31 @@ def test_padded_to_jagged_matches_loop(lengths, width_extra):
     nt = padded_to_jagged(padded, torch.tensor(lengths))
     for i, comp in enumerate(nt.unbind()):
         assert comp.tolist() == padded[i, : lengths[i]].tolist()
+
+
+@SETTINGS
+@given(lengths=lengths_st, trailing=trailing_st, width_extra=st.integers(0, 3), count=st.integers(1, 4))
+def test_padded_to_jagged_many_is_each_one_cut_at_shared_offsets(lengths, trailing, width_extra, count):
+    """Several padded tensors cut at one set of lengths give what each cut alone gives, sharing one offsets tensor
+    (one ragged structure); their dtypes may differ."""
+    width = max(lengths) + width_extra
+    dtypes = [torch.float32, torch.int64, torch.bool, torch.bfloat16]
+    padded = [(torch.arange(len(lengths) * width * max(1, math.prod(trailing))) % 5)
+              .view(len(lengths), width, *trailing).to(dtypes[i]) for i in range(count)]
+    got = padded_to_jagged_many(padded, torch.tensor(lengths))
+    assert len(got) == count and all(g.offsets() is got[0].offsets() for g in got)
+    for p, g in zip(padded, got):
+        one = padded_to_jagged(p, torch.tensor(lengths))
+        assert g.dtype == p.dtype and torch.equal(nested_values(g), nested_values(one))
+        assert nested_lengths(g).tolist() == lengths
+    assert padded_to_jagged_many([], torch.tensor(lengths)) == []
+
+
+def test_padded_to_jagged_many_refuses_tensors_of_other_rows():
+    with pytest.raises(NestedShapeError, match=r"rows and width \(2, 3\)"):
+        padded_to_jagged_many([torch.zeros(2, 3), torch.zeros(2, 4)], torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="dense"):
+        padded_to_jagged_many([torch.zeros(2, 3), to_nested([torch.ones(2)])], torch.tensor([1, 2]))
 
 
 def test_response_conversion_refusals():

@@ -1,5 +1,6 @@
 """The cross-rank data plane under torchrun (gloo): see tests/dist/rldispatch_dataplane_worker.py."""
 import pytest
+from hypothesis import given, settings, strategies as st
 
 
 @pytest.mark.dist
@@ -100,6 +101,70 @@ def test_joining_what_holders_sent_follows_the_one_length_rule():
     assert _as_joined(torch.tensor([1.5, 2.5])).tolist() == [1.5, 2.5]
     other = (["c"], *_pack(torch.tensor([0.5])))
     assert _join("s", ["c", "a", "b"], [scalars, other]).tolist() == [0.5, 1.5, 2.5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.integers(1, 12), senders=st.integers(2, 4),
+       kind=st.sampled_from(["jagged", "scalar", "rows", "mixed"]), dtype=st.sampled_from(["float32", "bfloat16", "int64"]))
+def test_a_join_of_several_senders_is_the_per_key_join(data, n, senders, kind, dtype):
+    """Rows sent by several holders, joined in any asked order (one permutation for every field sent in the same
+    lists), equal the rows one by one: jagged rows, scalars, dense rows of one length, and dense and jagged parts
+    mixed (anything with a length comes back jagged); bf16, which numpy lacks, included."""
+    import numpy as np
+    import torch
+
+    from protocol.batch.nested import to_nested
+    from rldispatch.dataplane import _join, _pack, positions
+
+    dt = getattr(torch, dtype)
+    keys = [f"k{i}" for i in range(n)]
+    holder = data.draw(st.lists(st.integers(0, senders - 1), min_size=n, max_size=n), label="holder")
+    asked = data.draw(st.permutations(keys), label="asked")
+    width = data.draw(st.integers(0, 3), label="width")
+    # a holder reads in the order asked (so a lone holder's buffer is the field); other orders are joined too
+    senders_in_order = len(set(holder)) == 1 or data.draw(st.booleans(), label="in order")
+    lengths = {k: data.draw(st.integers(0, 4), label=k) for k in keys}
+
+    def row(k: str) -> torch.Tensor:
+        i = int(k[1:])
+        if kind == "scalar":
+            return torch.tensor(i + 0.5).to(dt)
+        size = width if kind == "rows" or (kind == "mixed" and holder[i] % 2) else lengths[k]
+        return (torch.arange(size * 2).reshape(size, 2) + 10 * i).to(dt)
+
+    sent = []
+    for r in range(senders):
+        ks = [k for k in (asked if senders_in_order else keys) if holder[int(k[1:])] == r]
+        if not ks:
+            continue
+        rows = [row(k) for k in ks]
+        dense = kind == "scalar" or kind == "rows" or (kind == "mixed" and r % 2)
+        sent.append((ks, *_pack(torch.stack(rows) if dense else to_nested(rows))))
+    order = positions(asked, [ks for ks, _, _ in sent])
+    assert sorted(order.tolist()) == list(range(n))
+    for got in (_join("x", asked, sent), _join("x", asked, sent, order)):
+        if kind == "scalar":
+            assert not got.is_nested and torch.equal(got, torch.stack([row(k) for k in asked]))
+        else:
+            assert got.is_nested and got.dtype == dt and got.shape[0] == n
+            for k, r in zip(asked, got.unbind()):
+                assert torch.equal(r, row(k)), k
+            assert np.array_equal(got.offsets().diff().numpy(), [row(k).shape[0] for k in asked])
+
+
+def test_a_join_of_parts_of_different_dtypes_takes_the_per_key_rule():
+    """Parts the one-gather join cannot lay end to end (different dtypes) go through the per-key join, which
+    promotes nothing silently: it names the field."""
+    import torch
+
+    from protocol.batch.nested import to_nested
+    from protocol.store.errors import FieldShapeError
+    from rldispatch.dataplane import _join, _pack
+
+    a = (["a"], *_pack(to_nested([torch.ones(2)])))
+    b = (["b"], *_pack(to_nested([torch.ones(3, dtype=torch.int64)])))
+    with pytest.raises(FieldShapeError, match="'x'.*dtypes"):
+        _join("x", ["b", "a"], [a, b])
 
 
 def test_a_planned_fetch_on_one_process_reads_in_place_and_checks_the_share():
