@@ -81,10 +81,11 @@ def partition_loads(workloads: Sequence[float] | np.ndarray, parts: Sequence[Seq
 
 def imbalance(loads: Sequence[float]) -> float:
     """max / mean of part loads (1.0 = perfect; 1.0 for an all-zero or empty list)."""
-    if not len(loads):
+    values = loads.tolist() if isinstance(loads, np.ndarray) else [float(x) for x in loads]
+    if not values:
         return 1.0
-    mean = float(np.mean(loads))
-    return float(np.max(loads)) / mean if mean > 0 else 1.0
+    mean = math.fsum(values) / len(values)  # exactly rounded; a plan asks this of a few loads many times
+    return max(values) / mean if mean > 0 else 1.0
 
 
 def lower_bound(workloads: Sequence[float] | np.ndarray, num_parts: int) -> float:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from protocol.batch.nested import is_jagged, jagged_parts, nested_from_lengths, nested_from_values
+from protocol.batch.nested import is_jagged, nested_from_lengths, nested_from_values
 from protocol.store import KVStore, StepStore
 from protocol.store.columns import Column, _ranges, gather_field
 from protocol.store.batching import batch_of
@@ -37,14 +37,6 @@ class DataPlaneError(KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else ""
-
-
-def _pack(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One field of many keys as one tensor and its row offsets (None: dense rows), so a transfer serializes
-    tensors only — one or two per field, whatever the number of keys."""
-    if is_jagged(value):
-        return jagged_parts(value)
-    return value, None
 
 
 def _check_rows(field: str, keys: list[str], flat: torch.Tensor, offsets: torch.Tensor | None) -> None:
@@ -378,9 +370,9 @@ class ShardedStore(StepStore):
                     reads.setdefault(id(ks), (ks, []))[1].append(f)
             packed = {}
             for ks, names_here in reads.values():
-                td = self.local.kv_batch_get(ks, part, select_fields=names_here)
                 digest = None if dst == me else key_digest(ks)  # the receiver checks it asked for these keys
-                packed.update({f: (*_pack(td.get(f)), digest) for f in names_here})
+                packed.update({f: (*parts, digest)
+                               for f, parts in self.local.kv_batch_get_packed(ks, part, names_here).items()})
             if packed:
                 outgoing[dst] = {f: packed[f] for f in by_field if f in packed}
         # nothing moves: what is addressed to other ranks is empty, and this rank's own part is all it gets

@@ -51,6 +51,7 @@ __all__ = [
     "nested_values",
     "padded_to_jagged",
     "padded_to_jagged_many",
+    "field_parts",
     "jagged_to_padded",
     "jagged_parts",
     "response_to_nested",
@@ -274,6 +275,12 @@ def jagged_parts(nt: Tensor) -> tuple[Tensor, Tensor]:
     nt = _contiguous(nt)
     offsets = nt._offsets
     return _values_of(nt), offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
+
+
+def field_parts(value: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A batch field as what travels or is stored flat: ``(values, int64 offsets)`` of a jagged tensor (compacted
+    first if it has holes), ``(value, None)`` of a dense one."""
+    return jagged_parts(value) if is_jagged(value) else (value, None)
 
 
 def nested_offsets(nt: Tensor) -> Tensor:

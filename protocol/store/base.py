@@ -36,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
+from protocol.batch.nested import field_parts
 from protocol.checks import DICT, SCALAR, STR, only_types, plain_keys
 
 from .keys import is_prompt_key, uid_of
@@ -207,6 +208,13 @@ class KVStore(abc.ABC):
     def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str] | None = None,
                      *, jagged: Iterable[str] = ()) -> TensorDict:
         """Fields of ``keys`` as a TensorDict of batch [len(keys)] in key order (dense or jagged per field)."""
+
+    def kv_batch_get_packed(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]
+                            ) -> dict[str, tuple[Any, Any]]:
+        """:meth:`kv_batch_get` of ``select_fields`` as each field's ``(values, offsets)`` (``offsets`` None when
+        dense): what a transfer sends. A store that can read it without building jagged tensors overrides this."""
+        td = self.kv_batch_get(keys, partition_id, select_fields=list(select_fields))
+        return {f: field_parts(td.get(f)) for f in select_fields}
 
     def kv_batch_get_by_meta(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None,
                              *, jagged: Iterable[str] = ()) -> TensorDict:

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from protocol.batch.nested import is_jagged, jagged_parts, nested_from_lengths
+from protocol.batch.nested import field_parts, is_jagged, jagged_parts, nested_from_lengths
 from protocol.checks import only_types
 from .batching import assemble_field, batch_fields, own_copy as _own
 from .errors import FieldShapeError, preview
 
-__all__ = ["Column", "columns_of_put", "gather_field"]
+__all__ = ["Column", "columns_of_put", "gather_field", "gather_packed"]
 
 
 class Column:
@@ -239,6 +239,25 @@ def _rows_of(refs: Sequence[tuple[Column, int]], cols: list[Column], trail: torc
 
 def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = False) -> torch.Tensor:
     """Join the rows ``refs`` (in order) into one batch field, by the rule of ``assemble_field`` (a new tensor)."""
+    out = _gather(name, refs, jagged)
+    return out if isinstance(out, torch.Tensor) else nested_from_lengths(*out)
+
+
+def gather_packed(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`gather_field`'s field as ``(values, int64 offsets)`` when jagged, ``(tensor, None)`` when dense, without
+    building the jagged tensor (what a transfer sends)."""
+    out = _gather(name, refs, jagged)
+    if isinstance(out, torch.Tensor):
+        return field_parts(out)
+    values, lengths = out
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return values, torch.from_numpy(offsets)
+
+
+def _gather(name: str, refs: Sequence[tuple[Column, int]], jagged: bool) -> torch.Tensor | tuple[torch.Tensor, np.ndarray]:
+    """The rows ``refs`` joined: a tensor, or ``(tokens, lengths)`` of rows that come back jagged."""
     def per_key() -> torch.Tensor:  # rows no single join covers: assemble_field decides, or names the problem
         return assemble_field(name, [c.row(i) for c, i in refs], jagged)
 
@@ -257,7 +276,7 @@ def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = F
         values, _ = _rows_of(refs, cols, None)
         if not jagged:
             return values.reshape(n, *shape)
-        return nested_from_lengths(values.reshape(-1, *shape[1:]), np.full(n, shape[0], dtype=np.int64))
+        return values.reshape(-1, *shape[1:]), np.full(n, shape[0], dtype=np.int64)
     # rows of ndim >= 1 that share their trailing dims: join tokens, then decide dense or jagged
     rest = {c.values.shape[1:] if c.offsets is not None else c.values.shape[2:] for c in cols}
     if len(rest) != 1 or any(c.values.dim() < 2 for c in dense):
@@ -266,4 +285,4 @@ def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = F
     values, lengths = _rows_of(refs, cols, trail)
     if not jagged and lengths.min() == lengths.max():
         return values.reshape(n, int(lengths[0]), *trail)
-    return nested_from_lengths(values, lengths)
+    return values, lengths

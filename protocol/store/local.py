@@ -42,7 +42,7 @@ from .base import (
     missing_error,
 )
 from .batching import batch_of, same_value
-from .columns import Column, columns_of_put, gather_field
+from .columns import Column, columns_of_put, gather_field, gather_packed
 from .errors import FieldOverwriteError, LateWriteError, StoreClosedError, preview
 
 __all__ = ["LocalStore"]
@@ -188,7 +188,21 @@ class LocalStore(KVStore):
     # ---- reads --------------------------------------------------------------------------------------
     def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str] | None = None,
                      *, jagged: Iterable[str] = ()) -> TensorDict:
-        op = "kv_batch_get"
+        keys, columns = self._rows_asked("kv_batch_get", keys, partition_id, select_fields)
+        # stored buffers are never mutated in place, so joining rows outside the lock is safe
+        jagged = set(jagged)
+        return batch_of({f: gather_field(f, refs, f in jagged) for f, refs in columns.items()}, len(keys))
+
+    def kv_batch_get_packed(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]
+                            ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`kv_batch_get` of ``select_fields`` as each field's ``(values, offsets)`` (``offsets`` None when
+        dense): what a transfer sends, read without building jagged tensors."""
+        _, columns = self._rows_asked("kv_batch_get_packed", keys, partition_id, select_fields)
+        return {f: gather_packed(f, refs) for f, refs in columns.items()}
+
+    def _rows_asked(self, op: str, keys: Sequence[str], partition_id: str, select_fields: Sequence[str] | None
+                    ) -> tuple[list[str], dict[str, list[tuple[Column, int]]]]:
+        """The checked keys and, per field asked (all fields when None), each key's ``(column, row)``."""
         self._check_open(op)
         partition_id = check_partition(partition_id)
         keys = check_keys(keys, op)
@@ -205,13 +219,10 @@ class LocalStore(KVStore):
                 extra = sorted(union - set(select))
                 select += extra
             try:
-                columns = {f: list(map(operator.itemgetter(f), held)) for f in select}
+                return keys, {f: list(map(operator.itemgetter(f), held)) for f in select}
             except KeyError:
                 absent = [(k, f) for f in select for k, e in zip(keys, entries) if f not in e.fields]
                 raise missing_error(op, partition_id, absent, "(key, field) pair(s)") from None
-        # stored buffers are never mutated in place, so joining rows outside the lock is safe
-        jagged = set(jagged)
-        return batch_of({f: gather_field(f, refs, f in jagged) for f, refs in columns.items()}, len(keys))
 
     def kv_batch_get_tags(self, keys: Sequence[str], partition_id: str) -> list[dict]:
         op = "kv_batch_get_tags"

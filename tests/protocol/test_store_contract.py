@@ -14,6 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from protocol.batch.nested import field_parts
 from protocol.store.meta import KVBatchMeta
 from protocol.store import (
     FieldOverwriteError,
@@ -473,6 +474,10 @@ def run_against_model(store: KVStore, ops: list[tuple], pids: list[str]) -> None
                 td = store.kv_batch_get(keys, p, [name])
                 value = td[name]
                 got = list(value.unbind(0))
+                # the packed read (what a transfer sends) is the same field, flat
+                (flat, offsets), want = store.kv_batch_get_packed(keys, p, [name])[name], field_parts(value)
+                assert torch.equal(flat, want[0]) and flat.dtype == want[0].dtype, op
+                assert (offsets is None) == (want[1] is None) and (offsets is None or torch.equal(offsets, want[1])), op
             except StoreKeyError:
                 got = "missing"
             if expect == "missing" or got == "missing":

@@ -14,16 +14,16 @@ def test_a_transfer_packs_one_tensor_per_field():
     receiver knows the sender's order from the replicated locations); a wrong row count is refused by name."""
     import torch
 
-    from protocol.batch.nested import to_nested
-    from rldispatch.dataplane import DataPlaneError, _join, _pack
+    from protocol.batch.nested import field_parts, to_nested
+    from rldispatch.dataplane import DataPlaneError, _join
 
     rows = [torch.arange(n, dtype=torch.float32) for n in (3, 0, 5, 1)]
-    flat, offsets = _pack(to_nested(rows))
+    flat, offsets = field_parts(to_nested(rows))
     assert isinstance(flat, torch.Tensor) and not flat.is_nested and offsets.tolist() == [0, 3, 3, 8, 9]
     got = _join("x", list("abcd"), [(list("abcd"), flat, offsets)])
     assert [r.tolist() for r in got.unbind()] == [r.tolist() for r in rows]
     dense = torch.arange(6.0).reshape(3, 2)
-    flat, offsets = _pack(dense)
+    flat, offsets = field_parts(dense)
     assert offsets is None and flat is dense
     with pytest.raises(DataPlaneError, match="'y'.*3 values for 2 keys"):
         _join("y", ["a", "b"], [(["a", "b"], flat, None)])
@@ -85,21 +85,21 @@ def test_joining_what_holders_sent_follows_the_one_length_rule():
     same tensor a per-key join gives; anything with a length comes back jagged, even rows of one length."""
     import torch
 
-    from protocol.batch.nested import to_nested
-    from rldispatch.dataplane import _as_joined, _join, _pack
+    from protocol.batch.nested import field_parts, to_nested
+    from rldispatch.dataplane import _as_joined, _join
 
     rows = {k: torch.arange(n, dtype=torch.int64) + 10 * i for i, (k, n) in enumerate(zip("abcde", (3, 0, 2, 2, 4)))}
-    sent = [(ks, *_pack(to_nested([rows[k] for k in ks]))) for ks in (["a", "c", "e"], ["b", "d"])]
+    sent = [(ks, *field_parts(to_nested([rows[k] for k in ks]))) for ks in (["a", "c", "e"], ["b", "d"])]
     for order, held in ((list("acebd"), sent), (list("bdace"), sent[::-1]), (list("ace"), sent[:1])):
         got = _join("x", order, held)
         assert got.is_nested and [r.tolist() for r in got.unbind()] == [rows[k].tolist() for k in order]
-    same = (["a", "b"], *_pack(torch.arange(6.0).reshape(2, 3)))  # dense [2, 3]: rows of one length
+    same = (["a", "b"], *field_parts(torch.arange(6.0).reshape(2, 3)))  # dense [2, 3]: rows of one length
     for got in (_join("y", ["a", "b"], [same]), _as_joined(torch.arange(6.0).reshape(2, 3))):
         assert got.is_nested and [r.tolist() for r in got.unbind()] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
-    scalars = (["a", "b"], *_pack(torch.tensor([1.5, 2.5])))
+    scalars = (["a", "b"], *field_parts(torch.tensor([1.5, 2.5])))
     assert _join("s", ["a", "b"], [scalars]).tolist() == [1.5, 2.5]
     assert _as_joined(torch.tensor([1.5, 2.5])).tolist() == [1.5, 2.5]
-    other = (["c"], *_pack(torch.tensor([0.5])))
+    other = (["c"], *field_parts(torch.tensor([0.5])))
     assert _join("s", ["c", "a", "b"], [scalars, other]).tolist() == [0.5, 1.5, 2.5]
 
 
@@ -113,8 +113,8 @@ def test_a_join_of_several_senders_is_the_per_key_join(data, n, senders, kind, d
     import numpy as np
     import torch
 
-    from protocol.batch.nested import to_nested
-    from rldispatch.dataplane import _join, _pack, positions
+    from protocol.batch.nested import field_parts, to_nested
+    from rldispatch.dataplane import _join, positions
 
     dt = getattr(torch, dtype)
     keys = [f"k{i}" for i in range(n)]
@@ -139,7 +139,7 @@ def test_a_join_of_several_senders_is_the_per_key_join(data, n, senders, kind, d
             continue
         rows = [row(k) for k in ks]
         dense = kind == "scalar" or kind == "rows" or (kind == "mixed" and r % 2)
-        sent.append((ks, *_pack(torch.stack(rows) if dense else to_nested(rows))))
+        sent.append((ks, *field_parts(torch.stack(rows) if dense else to_nested(rows))))
     order = positions(asked, [ks for ks, _, _ in sent])
     assert sorted(order.tolist()) == list(range(n))
     for got in (_join("x", asked, sent), _join("x", asked, sent, order)):
@@ -159,10 +159,11 @@ def test_a_join_of_parts_of_different_dtypes_takes_the_per_key_rule():
 
     from protocol.batch.nested import to_nested
     from protocol.store.errors import FieldShapeError
-    from rldispatch.dataplane import _join, _pack
+    from protocol.batch.nested import field_parts
+    from rldispatch.dataplane import _join
 
-    a = (["a"], *_pack(to_nested([torch.ones(2)])))
-    b = (["b"], *_pack(to_nested([torch.ones(3, dtype=torch.int64)])))
+    a = (["a"], *field_parts(to_nested([torch.ones(2)])))
+    b = (["b"], *field_parts(to_nested([torch.ones(3, dtype=torch.int64)])))
     with pytest.raises(FieldShapeError, match="'x'.*dtypes"):
         _join("x", ["b", "a"], [a, b])
 
