@@ -6,8 +6,9 @@ each rank asks for the values it needs; each value travels once, from the rank t
 rank that asked — never through one central rank. Under gloo the values follow the requests in one round trip
 when they are short (:meth:`ShardedStore._exchange_framed`); otherwise the ranks first tell each other the sizes.
 When every rank already knows every rank's request (a replicated plan), :meth:`ShardedStore.fetch_planned`
-sends no request, and nothing at all when every rank holds what it asks for. Every value carries the digest of
-the keys it belongs to, and the receiver checks it against the keys it asked for.
+sends no request, and nothing at all when every rank holds what it asks for; :meth:`ShardedStore.sync_planned`
+records such a plan's writes on every rank without a collective. Every value carries the digest of the keys it
+belongs to, and the receiver checks it against the keys it asked for.
 """
 from __future__ import annotations
 
@@ -186,7 +187,8 @@ class ShardedStore(StepStore):
     """A :class:`~protocol.store.StepStore` spanning all ranks: local values, replicated tags and locations.
 
     ``local`` is this rank's :class:`protocol.LocalStore`. Methods named like the store verbs act locally and are
-    safe to call from any subset of ranks; :meth:`sync` and :meth:`fetch` are collectives over ``group``.
+    safe to call from any subset of ranks; :meth:`sync` and :meth:`fetch` are collectives over ``group``, and
+    :meth:`fetch_planned` and :meth:`sync_planned` are called by every rank but communicate only what they must.
     """
 
     def __init__(self, local: KVStore, group: Any = None, device: torch.device | str = "cpu"):
