@@ -16,7 +16,7 @@ import itertools
 import json
 import math
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -365,51 +365,62 @@ class ShardedStore(StepStore):
         whole = [f for f, ks in held_here.get(me, {}).items() if len(ks) == len(keys)]
         outgoing: list[dict | None] = [None] * self.world
         for dst, (part, _, _) in enumerate(requests):
-            by_field = served[dst].get(me, {})
-            reads: dict[int, tuple[list[str], list[str]]] = {}  # one read per key list (fields held together)
-            for f, ks in by_field.items():
-                if not (dst == me and f in whole):
-                    reads.setdefault(id(ks), (ks, []))[1].append(f)
-            packed = {}
-            for ks, names_here in reads.values():
-                digest = None if dst == me else key_digest(ks)  # the receiver checks it asked for these keys
-                packed.update({f: (*parts, digest)
-                               for f, parts in self.local.kv_batch_get_packed(ks, part, names_here).items()})
-            if packed:
-                outgoing[dst] = {f: packed[f] for f in by_field if f in packed}
+            if dst != me:
+                outgoing[dst] = self._packed(served[dst].get(me, {}), part, digests=True)
+
+        # each field's senders in rank order (this rank among them) and the key list asked of each
+        senders = {f: [(src, held[f]) for src, held in sorted(held_here.items()) if f in held]
+                   for f in fields if f not in whole}
+
+        def local() -> tuple[dict | None, TensorDict | None, dict[int, int], dict[tuple[int, ...], np.ndarray]]:
+            """What needs no peer, done while the peers' values travel: this rank's own values of its keys, the
+            digest of each key list asked of a peer, and the permutation of each set of lists a join lays end to
+            end (fields sent in the same lists share one)."""
+            own = {f: ks for f, ks in held_here.get(me, {}).items() if f not in whole}
+            read = self.local.kv_batch_get(keys, partition_id, select_fields=whole) if keys and whole else None
+            digests = {id(ks): key_digest(ks) for src, held in held_here.items() if src != me for ks in held.values()}
+            orders = {}
+            for lists in senders.values():
+                layout = tuple(id(ks) for _, ks in lists)
+                if len(lists) > 1 and layout not in orders:
+                    orders[layout] = positions(keys, [ks for _, ks in lists])
+            return self._packed(own, partition_id, digests=False), read, digests, orders
+
         # nothing moves: what is addressed to other ranks is empty, and this rank's own part is all it gets
-        received = self._exchange(outgoing) if exchange else outgoing
+        received, (own, read, digests, orders) = self._exchange(outgoing, local) if exchange else (outgoing, local())
+        received[me] = own
         if not keys:
             return TensorDict({}, batch_size=[0])
         out = dict.fromkeys(fields)
         if whole:
-            read = self.local.kv_batch_get(keys, partition_id, select_fields=whole)
             out.update({f: _as_joined(read.get(f)) for f in whole})
         # the sender's key order is known here (replicated locations), so only tensors travelled
-        parts: dict[str, list[tuple[list[str], torch.Tensor, torch.Tensor | None]]] = defaultdict(list)
-        # the digest of each key list asked of a peer, once per list (fields held together share one)
-        asked = {id(ks): ks for src, held in held_here.items() if src != me for ks in held.values()}
-        digests = {i: key_digest(ks) for i, ks in asked.items()}
-        for src, held in sorted(held_here.items()):
-            payload = received[src]
-            for f, ks in held.items():
-                if f in whole:
-                    continue
+        for f, lists in senders.items():
+            sent = []
+            for src, ks in lists:
+                payload = received[src]
                 if payload is None or f not in payload:
                     raise DataPlaneError(f"rank {src} sent nothing for field {f!r} of {len(ks)} key(s) it holds")
                 values, offsets, digest = payload[f]
                 if src != me and digest != digests[id(ks)]:
                     raise DataPlaneError(f"field {f!r}: rank {src} sent the values of other keys than the {len(ks)} "
                                          f"this rank asked of it (the ranks' requests or locations differ)")
-                parts[f].append((ks, values, offsets))
-        orders: dict[tuple[int, ...], np.ndarray] = {}  # fields sent in the same key lists share one permutation
-        for f, sent in parts.items():
-            lists = [ks for ks, _, _ in sent]
-            layout = tuple(map(id, lists))
-            if len(lists) > 1 and layout not in orders:
-                orders[layout] = positions(keys, lists)
-            out[f] = _join(f, keys, sent, orders.get(layout))
+                sent.append((ks, values, offsets))
+            out[f] = _join(f, keys, sent, orders.get(tuple(id(ks) for _, ks in lists)))
         return batch_of(out, len(keys))
+
+    def _packed(self, by_field: dict[str, list[str]], partition_id: str, digests: bool) -> dict | None:
+        """The values of ``by_field`` (field -> keys) held here, packed for a transfer (one read per key list: fields
+        held together share one); each with the digest of its keys when it goes to a peer (None: nothing asked)."""
+        reads: dict[int, tuple[list[str], list[str]]] = {}
+        for f, ks in by_field.items():
+            reads.setdefault(id(ks), (ks, []))[1].append(f)
+        packed = {}
+        for ks, names in reads.values():
+            digest = key_digest(ks) if digests else None  # the receiver checks it asked for these keys
+            packed.update({f: (*parts, digest)
+                           for f, parts in self.local.kv_batch_get_packed(ks, partition_id, names).items()})
+        return {f: packed[f] for f in by_field} if packed else None
 
     def split_by_holder(self, keys: Sequence[str], partition_id: str, field: str) -> list[list[str]]:
         """``keys`` split by the rank holding ``field`` (index = rank), each share in order; the same on every rank."""
@@ -463,14 +474,14 @@ class ShardedStore(StepStore):
                 else:
                     held.update(at)
 
-    def _exchange(self, outgoing: list[dict | None]) -> list[dict | None]:
-        """Send ``outgoing[dst]`` to each rank; return what each rank sent here (index = source)."""
+    def _exchange(self, outgoing: list[dict | None], meanwhile: Callable[[], Any]) -> tuple[list[dict | None], Any]:
+        """Send ``outgoing[dst]`` to each peer; return what each peer sent here (index = source; None for this rank)
+        and what ``meanwhile()`` returns: it runs once the transfers are posted, so local work overlaps them."""
         received: list[dict | None] = [None] * self.world
-        received[self.rank] = outgoing[self.rank]
         if self.world == 1:
-            return received
+            return received, meanwhile()
         if self._gloo:
-            return self._exchange_framed(outgoing, received)
+            return self._exchange_framed(outgoing, received, meanwhile)
         blobs = [_encode(p) if (p is not None and dst != self.rank) else None for dst, p in enumerate(outgoing)]
         sizes = torch.tensor([0 if b is None else b.numel() for b in blobs], dtype=torch.int64, device=self.device)
         matrix = [torch.zeros_like(sizes) for _ in range(self.world)]
@@ -485,15 +496,19 @@ class ShardedStore(StepStore):
             if blob is not None:
                 ops.append(dist.P2POp(dist.isend, blob.to(self.device), self._global(dst), group=self.group))
                 self.bytes_sent += blob.numel()
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+        try:
+            done = meanwhile()
+        finally:  # the transfers complete whatever the local work did
+            for req in reqs:
                 req.wait()
         for src, buf in inbox.items():
             self.bytes_received += buf.numel()
             received[src] = _decode(buf.cpu())
-        return received
+        return received, done
 
-    def _exchange_framed(self, outgoing: list[dict | None], received: list[dict | None]) -> list[dict | None]:
+    def _exchange_framed(self, outgoing: list[dict | None], received: list[dict | None], meanwhile: Callable[[], Any]
+                         ) -> tuple[list[dict | None], Any]:
         """:meth:`_exchange` without telling sizes first (gloo receives a shorter message into a longer buffer).
 
         Every rank sends every other rank one frame, its byte count in front (8 bytes when it sends nothing), the
@@ -505,8 +520,12 @@ class ShardedStore(StepStore):
         inbox = {src: torch.empty(first, dtype=torch.uint8) for src in peers}
         ops = [dist.P2POp(dist.irecv, inbox[src], self._global(src), group=self.group) for src in peers]
         ops += [dist.P2POp(dist.isend, frames[dst][:first], self._global(dst), group=self.group) for dst in peers]
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        reqs = dist.batch_isend_irecv(ops)
+        try:
+            done = meanwhile()
+        finally:  # the first parts complete whatever the local work did
+            for req in reqs:
+                req.wait()
         totals = {src: int(inbox[src][:_ALIGN].view(torch.int64)[0]) for src in peers}
         ops = []
         for src, total in totals.items():
@@ -526,7 +545,7 @@ class ShardedStore(StepStore):
             if total > _ALIGN:  # a frame of 8 bytes carries nothing
                 self.bytes_received += total - _ALIGN
                 received[src] = _decode(inbox[src][_ALIGN:total])
-        return received
+        return received, done
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
