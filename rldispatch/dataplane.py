@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from protocol.batch.nested import is_jagged, nested_from_lengths, nested_from_values
 from protocol.store import KVStore, StepStore
-from protocol.store.columns import Column, _ranges, gather_field
+from protocol.store.columns import Column, gather_field, row_ranges
 from protocol.store.batching import batch_of
 from protocol.store.meta import copy_tag, copy_tags
 from rldispatch.collectives import gather_objects, key_digest
@@ -107,7 +107,7 @@ def _join_rows(parts: list[tuple[torch.Tensor, torch.Tensor | None]], order: np.
     starts = np.zeros_like(every)
     np.cumsum(every[:-1], out=starts[1:])
     rows = every[order]
-    values = torch.cat(tokens).index_select(0, torch.from_numpy(_ranges(starts[order], rows)))
+    values = torch.cat(tokens).index_select(0, torch.from_numpy(row_ranges(starts[order], rows)))
     return nested_from_lengths(values, rows)
 
 

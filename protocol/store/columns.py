@@ -24,7 +24,7 @@ from protocol.checks import only_types
 from .batching import assemble_field, batch_fields, own_copy as _own
 from .errors import FieldShapeError, preview
 
-__all__ = ["Column", "columns_of_put", "gather_field", "gather_packed"]
+__all__ = ["Column", "columns_of_put", "gather_field", "gather_packed", "row_ranges"]
 
 
 class Column:
@@ -110,7 +110,7 @@ def _offsets(lengths: np.ndarray) -> list[int]:
     return out.tolist()
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def row_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a loop."""
     total = int(lengths.sum())
     if total == 0:
@@ -210,7 +210,7 @@ def _take(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.nda
     """The tokens of rows ``(starts, lengths)`` back to back, as a new array (one slice when they are adjacent)."""
     if starts.size and bool((starts[1:] == starts[:-1] + lengths[:-1]).all()):
         return tokens[int(starts[0]):int(starts[0] + lengths.sum())].copy()  # a slice is a view: copy it
-    return tokens[_ranges(starts, lengths)]
+    return tokens[row_ranges(starts, lengths)]
 
 
 def _rows_of(refs: Sequence[tuple[Column, int]], cols: list[Column], trail: torch.Size | None
@@ -233,7 +233,7 @@ def _rows_of(refs: Sequence[tuple[Column, int]], cols: list[Column], trail: torc
     ends = np.cumsum(lengths)
     out = np.empty((int(ends[-1]) if ends.size else 0, *parts[0][1].shape[1:]), dtype=parts[0][1].dtype)
     for at, values in parts:  # each column's tokens to their places in the asked order
-        out[_ranges(ends[at] - lengths[at], lengths[at])] = values
+        out[row_ranges(ends[at] - lengths[at], lengths[at])] = values
     return _to_tensor(out, dtype), lengths
 
 

@@ -449,3 +449,15 @@ def test_tq_store_argument_check_before_starting_anything():
 
     with pytest.raises(ValueError, match="num_storage_units"):
         TransferQueueStore(num_storage_units=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 6)), max_size=12))
+def test_row_ranges_are_the_aranges_of_the_rows_back_to_back(rows):
+    """The token positions of rows ``(start, length)``, in order, equal the per-row ``arange``s laid end to end."""
+    from protocol.store.columns import row_ranges
+
+    starts = np.array([s for s, _ in rows], dtype=np.int64)
+    lengths = np.array([n for _, n in rows], dtype=np.int64)
+    want = [i for s, n in rows for i in range(s, s + n)]
+    assert row_ranges(starts, lengths).tolist() == want
