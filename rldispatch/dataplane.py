@@ -55,7 +55,7 @@ def _as_joined(value: torch.Tensor) -> torch.Tensor:
     return nested_from_lengths(value.reshape(-1, *value.shape[2:]), np.full(n, width, dtype=np.int64))
 
 
-def positions(keys: Sequence[str], lists: Sequence[Sequence[str]]) -> np.ndarray:
+def _positions(keys: Sequence[str], lists: Sequence[Sequence[str]]) -> np.ndarray:
     """Where each of ``keys`` sits in ``lists`` laid end to end (every key in exactly one list): the permutation a
     join of rows sent in those lists applies, computed once for every field sent in the same lists."""
     at = {k: i for i, k in enumerate(itertools.chain.from_iterable(lists))}
@@ -66,14 +66,14 @@ def _join(field: str, keys: list[str], sent: list[tuple[list[str], torch.Tensor,
           order: np.ndarray | None = None) -> torch.Tensor:
     """The rows of ``keys`` (in order) from what each holder sent (its keys, in the order it read them, with their
     values and offsets); anything with a length comes back jagged, whichever rank sent it and however long its rows
-    happen to be. ``order``: :func:`positions` of ``keys`` in the senders' lists, when the caller has it."""
+    happen to be. ``order``: :func:`_positions` of ``keys`` in the senders' lists, when the caller has it."""
     for ks, flat, offsets in sent:
         _check_rows(field, ks, flat, offsets)
     if len(sent) == 1:  # one holder sent every key, in this order: its buffer is the field (no second copy)
         (_, flat, offsets), = sent
         return _as_joined(flat) if offsets is None else nested_from_values(flat, offsets)
     if order is None:
-        order = positions(keys, [ks for ks, _, _ in sent])
+        order = _positions(keys, [ks for ks, _, _ in sent])
     joined = _join_rows([(flat, offsets) for _, flat, offsets in sent], order)
     if joined is not None:
         return joined
@@ -383,7 +383,7 @@ class ShardedStore(StepStore):
             for lists in senders.values():
                 layout = tuple(id(ks) for _, ks in lists)
                 if len(lists) > 1 and layout not in orders:
-                    orders[layout] = positions(keys, [ks for _, ks in lists])
+                    orders[layout] = _positions(keys, [ks for _, ks in lists])
             return self._packed(own, partition_id, digests=False), read, digests, orders
 
         # nothing moves: what is addressed to other ranks is empty, and this rank's own part is all it gets

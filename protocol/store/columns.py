@@ -243,11 +243,10 @@ def gather_field(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = F
     return out if isinstance(out, torch.Tensor) else nested_from_lengths(*out)
 
 
-def gather_packed(name: str, refs: Sequence[tuple[Column, int]], jagged: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gather_packed(name: str, refs: Sequence[tuple[Column, int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`gather_field`'s field as ``(values, int64 offsets)`` when jagged, ``(tensor, None)`` when dense, without
     building the jagged tensor (what a transfer sends)."""
-    out = _gather(name, refs, jagged)
+    out = _gather(name, refs, False)
     if isinstance(out, torch.Tensor):
         return field_parts(out)
     values, lengths = out

@@ -114,7 +114,7 @@ def test_a_join_of_several_senders_is_the_per_key_join(data, n, senders, kind, d
     import torch
 
     from protocol.batch.nested import field_parts, to_nested
-    from rldispatch.dataplane import _join, positions
+    from rldispatch.dataplane import _join, _positions
 
     dt = getattr(torch, dtype)
     keys = [f"k{i}" for i in range(n)]
@@ -140,7 +140,7 @@ def test_a_join_of_several_senders_is_the_per_key_join(data, n, senders, kind, d
         rows = [row(k) for k in ks]
         dense = kind == "scalar" or kind == "rows" or (kind == "mixed" and r % 2)
         sent.append((ks, *field_parts(torch.stack(rows) if dense else to_nested(rows))))
-    order = positions(asked, [ks for ks, _, _ in sent])
+    order = _positions(asked, [ks for ks, _, _ in sent])
     assert sorted(order.tolist()) == list(range(n))
     for got in (_join("x", asked, sent), _join("x", asked, sent, order)):
         if kind == "scalar":
