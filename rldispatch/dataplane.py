@@ -28,7 +28,7 @@ from protocol.store import KVStore, StepStore
 from protocol.store.columns import Column, gather_field, row_ranges
 from protocol.store.batching import batch_of
 from protocol.store.meta import copy_tag, copy_tags
-from rldispatch.collectives import gather_objects, key_digest
+from rldispatch.collectives import exchange_frames, frame, gather_objects, key_digest
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 
@@ -148,9 +148,7 @@ def first_part_bytes(world: int) -> int:
 
 def _frame(payload: dict[str, Packed] | None) -> torch.Tensor:
     """:func:`_encode`'s message of ``payload`` (nothing for None) behind the frame's own int64 byte count."""
-    chunks = [] if payload is None else _encoded_chunks(payload)
-    size = _ALIGN + sum(c.numel() for c in chunks)
-    return torch.cat([torch.tensor([size], dtype=torch.int64).view(torch.uint8), *chunks])
+    return frame([] if payload is None else _encoded_chunks(payload))
 
 
 def _padded(raw: torch.Tensor) -> torch.Tensor:
@@ -509,42 +507,16 @@ class ShardedStore(StepStore):
 
     def _exchange_framed(self, outgoing: list[dict | None], received: list[dict | None], meanwhile: Callable[[], Any]
                          ) -> tuple[list[dict | None], Any]:
-        """:meth:`_exchange` without telling sizes first (gloo receives a shorter message into a longer buffer).
-
-        Every rank sends every other rank one frame, its byte count in front (8 bytes when it sends nothing), the
-        first :func:`first_part_bytes` of it at once into a buffer of that size; a longer frame sends its rest
-        as a second part. So a fetch that moves little takes one round trip after its request, not two."""
-        first = first_part_bytes(self.world)
-        peers = [r for r in range(self.world) if r != self.rank]
-        frames = {dst: _frame(outgoing[dst]) for dst in peers}
-        inbox = {src: torch.empty(first, dtype=torch.uint8) for src in peers}
-        ops = [dist.P2POp(dist.irecv, inbox[src], self._global(src), group=self.group) for src in peers]
-        ops += [dist.P2POp(dist.isend, frames[dst][:first], self._global(dst), group=self.group) for dst in peers]
-        reqs = dist.batch_isend_irecv(ops)
-        try:
-            done = meanwhile()
-        finally:  # the first parts complete whatever the local work did
-            for req in reqs:
-                req.wait()
-        totals = {src: int(inbox[src][:_ALIGN].view(torch.int64)[0]) for src in peers}
-        ops = []
-        for src, total in totals.items():
-            if total > first:  # the rest follows: received straight behind the first part
-                whole = torch.empty(total, dtype=torch.uint8)
-                whole[:first] = inbox[src]
-                inbox[src] = whole
-                ops.append(dist.P2POp(dist.irecv, whole[first:], self._global(src), group=self.group))
-        for dst, frame in frames.items():
-            self.bytes_sent += frame.numel() - _ALIGN
-            if frame.numel() > first:
-                ops.append(dist.P2POp(dist.isend, frame[first:], self._global(dst), group=self.group))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        for src, total in totals.items():
-            if total > _ALIGN:  # a frame of 8 bytes carries nothing
-                self.bytes_received += total - _ALIGN
-                received[src] = _decode(inbox[src][_ALIGN:total])
+        """:meth:`_exchange` without telling sizes first (:func:`exchange_frames`): every rank sends every other
+        rank one frame (8 bytes when it sends nothing), the first :func:`first_part_bytes` of it at once, a longer
+        frame's rest as a second part. So a fetch that moves little takes one round trip after its request, not two."""
+        frames = {dst: _frame(outgoing[dst]) for dst in range(self.world) if dst != self.rank}
+        got, done = exchange_frames(frames, first_part_bytes(self.world), self.group, meanwhile)
+        self.bytes_sent += sum(f.numel() - _ALIGN for f in frames.values())
+        for src, msg in got.items():
+            if msg.numel() > _ALIGN:  # a frame of 8 bytes carries nothing
+                self.bytes_received += msg.numel() - _ALIGN
+                received[src] = _decode(msg[_ALIGN:])
         return received, done
 
     def _global(self, group_rank: int) -> int:

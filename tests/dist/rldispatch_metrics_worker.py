@@ -84,23 +84,30 @@ def collectives(rank: int) -> None:
     assert got[rank] is small
     inline = inline_bytes(2)
     assert inline == max(INLINE_BYTES, INLINE_TOTAL // 2) and inline_bytes(64) == INLINE_BYTES
-    calls = []
-    all_gather = dist.all_gather
+    # count the round trips: point-to-point batches under gloo; all-gathers on the NCCL path, taken here by
+    # letting gather_objects see another backend name (the all-gather itself is gloo's)
+    for counted_name, backend in (("batch_isend_irecv", "gloo"), ("all_gather", "nccl")):
+        calls = []
+        real, get_backend = getattr(dist, counted_name), dist.get_backend
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return all_gather(*args, **kwargs)
+        def counted(*args, _real=real, **kwargs):
+            calls.append(1)
+            return _real(*args, **kwargs)
 
-    dist.all_gather = counted  # count the round trips the real collective takes
-    try:
-        for size, trips in ((inline - 64, 1), (inline + 64, 2)):  # pickles just under and over the inline size
-            big = bytes(range(256)) * (size // 256) if rank == 1 else b"x"
-            calls.clear()
-            got = gather_objects(big)
-            assert got[0] == b"x" and got[1] == bytes(range(256)) * (size // 256) and len(calls) == trips, \
-                (size, len(calls))
-    finally:
-        dist.all_gather = all_gather
+        setattr(dist, counted_name, counted)
+        dist.get_backend = lambda group=None, _name=backend: _name
+        try:
+            for size, trips in ((inline - 64, 1), (inline + 64, 2)):  # pickles just under and over the inline size
+                big = bytes(range(256)) * (size // 256) if rank == 1 else b"x"
+                calls.clear()
+                got = gather_objects(big)
+                assert got[0] == b"x" and got[1] == bytes(range(256)) * (size // 256) and len(calls) == trips, \
+                    (backend, size, len(calls))
+            assert gather_objects(None) == [None, None]
+            assert gather_objects(b"") == [b"", b""]
+        finally:
+            setattr(dist, counted_name, real)
+            dist.get_backend = get_backend
     assert gather_objects(None) == [None, None]
     check_digests(gather_objects(key_digest(["a", "b"])), "keys", 2)
     assert key_digest(["a", "b"]) != key_digest(["b", "a"])
