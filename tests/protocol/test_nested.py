@@ -183,6 +183,31 @@ def test_padded_to_jagged_many_is_each_one_cut_at_shared_offsets(lengths, traili
     assert padded_to_jagged_many([], torch.tensor(lengths)) == []
 
 
+@SETTINGS
+@given(lengths=lengths_st, trailing=trailing_st, extra=st.integers(0, 2), pad=st.sampled_from([0, 3]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.int64, torch.int32, torch.bool, torch.bfloat16]),
+       grad=st.booleans())
+def test_padding_and_cutting_agree_with_the_rows_on_the_numpy_and_the_torch_path(lengths, trailing, extra, pad,
+                                                                                   dtype, grad):
+    """CPU tensors of numpy's dtypes that record no gradient pad and cut through numpy, the rest (bfloat16, a
+    tensor that requires grad) through torch: both give each row, then the pad value, exactly."""
+    samples = _samples(lengths, trailing, dtype)
+    if grad:
+        if not dtype.is_floating_point:
+            return
+        samples = [x.requires_grad_() for x in samples]
+    width = max(lengths) + extra
+    padded = jagged_to_padded(to_nested(samples), pad_value=pad, max_len=width)
+    assert padded.dtype == dtype and padded.shape == (len(lengths), width, *trailing)
+    assert padded.requires_grad == grad
+    fill = torch.tensor(pad).to(dtype)  # a bool tensor pads with True for 3
+    for row, sample, n in zip(padded, samples, lengths):
+        assert torch.equal(row[:n], sample) and bool((row[n:] == fill).all())
+    back, = padded_to_jagged_many([padded], torch.tensor(lengths))
+    assert back.dtype == dtype and nested_lengths(back).tolist() == lengths
+    assert torch.equal(nested_values(back), torch.cat(samples))
+
+
 def test_padded_to_jagged_many_refuses_tensors_of_other_rows():
     with pytest.raises(NestedShapeError, match=r"rows and width \(2, 3\)"):
         padded_to_jagged_many([torch.zeros(2, 3), torch.zeros(2, 4)], torch.tensor([1, 2]))
