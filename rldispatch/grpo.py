@@ -62,7 +62,7 @@ from rldispatch.metrics import (
 )
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, prepare_step_plan
-from rldispatch.rollout import RolloutWorker
+from rldispatch.rollout import RolloutWorker, run_to_end
 from protocol.config import to_plain
 from rldispatch.trace import TraceRecorder
 
@@ -246,6 +246,7 @@ class GRPOTrainer:
                                    failure_policy=cfg.replay.failure_policy)
         self.rollout = RolloutWorker(cfg.model, self.tokenizer, device=ctx.device, seed=cfg.trainer.seed,
                                      rank=self.dp_rank)
+        self.loop = asyncio.new_event_loop()  # the rollout's sessions run on it, step after step
         loop_kwargs = {"max_turns": cfg.rollout.max_turns, "tools": builtin_tools()} \
             if cfg.rollout.agent_loop == "tool" else {}
         self.agent_loop = build_agent_loop(cfg.rollout.agent_loop, self.rollout.agenerate, tokenizer=self.tokenizer,
@@ -379,7 +380,7 @@ class GRPOTrainer:
                     kw["inject_failure"] = True
                 kwargs.append(kw)
             loop = FaultInjectingLoop(self.agent_loop) if frac > 0 else self.agent_loop
-            asyncio.run(run_groups(
+            run_to_end(self.loop, run_groups(
                 self.store, [uids[i] for i in mine], [rows[i]["raw_prompt"] for i in mine],
                 self.cfg.rollout.n if partition == TRAIN else 1, loop, step, partition, sampling, row_kwargs=kwargs))
         self.store.sync()
@@ -720,6 +721,7 @@ class GRPOTrainer:
             return self._loop(pending_val, bar)
         finally:
             self.gc.stop()
+            self.loop.close()
 
     def _loop(self, pending_val: dict[str, float], bar: Any) -> int:
         cfg = self.cfg

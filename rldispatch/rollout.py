@@ -15,11 +15,24 @@ from backends.model.llama import LlamaModel
 from protocol.rollout.tokenizer import (TokenizerError, VocabularyError, check_vocab_fits, generation_stop_ids,
                                         stop_token_ids)
 
-__all__ = ["RolloutError", "SamplingParams", "RolloutWorker"]
+__all__ = ["RolloutError", "SamplingParams", "RolloutWorker", "run_to_end"]
 
 
 class RolloutError(ValueError):
     """Bad sampling parameters, prompts or weights given to the rollout worker; the message names the value."""
+
+
+def run_to_end(loop: asyncio.AbstractEventLoop, coro: Any) -> Any:
+    """``coro``'s result, run on ``loop``, which the caller keeps across steps (``asyncio.run`` makes and tears down
+    a loop per call); tasks it leaves behind are cancelled and awaited, as ``asyncio.run`` does with them."""
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,15 @@ trajectories at every size::
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step_overhead.py --out /tmp/overhead.json
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step_overhead.py --sizes 512,2048 --worlds 1
 
-Prints per stage: ms per 1k trajectories at each size, and the growth ratio of that figure per size doubling
-(1.0 = linear; 2.0 = quadratic). On 2 ranks a stage's time is the slowest rank's.
+Prints per stage: ms per 1k trajectories at each size (the median of the measured steps: after a warm-up step,
+as many as fill ``--budget-s``, at least 5, so a small size gets many), and the growth ratio of that figure per size
+doubling (1.0 = linear; 2.0 = quadratic); then the total's min-max over the steps and how flat the per-trajectory
+total is over the sizes. On 2 ranks a stage's time in a step is its slowest rank's.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import math
@@ -112,6 +115,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     t.replay = ReplayBuffer(t.store, "train", failure_policy=cfg.replay.failure_policy)
     t.rollout = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer),
                                  pool=size)
+    t.loop = asyncio.new_event_loop()
     t.agent_loop = build_agent_loop(cfg.rollout.agent_loop, t.rollout.agenerate, tokenizer=t.tokenizer,
                                     max_response_length=cfg.data.max_response_length)
     t.reward_manager = build_reward_manager(
@@ -177,8 +181,17 @@ def one_step(t, step: int, on_stage=None) -> dict[str, float]:
     return times
 
 
-def worker(rank: int, world: int, sizes: list[int], steps: int, port: int, work: str, out: str,
-           gc_interval: int) -> None:
+def measured_steps(warmup_s: float, budget_s: float, least: int, most: int) -> int:
+    """How many steps to measure after a warm-up step of ``warmup_s``: enough to fill ``budget_s``, at least
+    ``least`` (a median of few steps at a small size is one collective's latency tail away from another) and at
+    most ``most``."""
+    return max(least, min(most, math.ceil(budget_s / max(warmup_s, 1e-6))))
+
+
+def worker(rank: int, world: int, sizes: list[int], steps: int | None, port: int, work: str, out: str,
+           gc_interval: int, budget_s: float = 4.0, least: int = 5, most: int = 60) -> None:
+    """Every size: one warm-up step, then ``steps - 1`` measured ones (``steps`` None: :func:`measured_steps` of
+    the warm-up, agreed by the ranks); records each stage's median and the total's spread, the slowest rank's."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -188,21 +201,41 @@ def worker(rank: int, world: int, sizes: list[int], steps: int, port: int, work:
         for size in sizes:
             t = build_trainer(size, rank, world, Path(work) / f"n{size}", gc_interval)
             t.gc.start()
-            runs = [one_step(t, s) for s in range(steps)]
+            start = time.perf_counter()
+            runs = [one_step(t, 0)]
+            warmup = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(warmup, op=dist.ReduceOp.MAX)  # every rank runs the same number of steps
+            count = measured_steps(float(warmup), budget_s, least, most) if steps is None else steps - 1
+            runs += [one_step(t, s) for s in range(1, count + 1)]
             t.gc.stop()
             measured = runs[1:] or runs  # the first step warms caches up
-            local = {k: statistics.median(r[k] for r in measured) for k in STAGES}
+            local = {k: [r[k] for r in measured] for k in STAGES}
             gathered: list = [None] * world
             dist.all_gather_object(gathered, local)
-            results[size] = {k: max(g[k] for g in gathered) for k in STAGES}
-            results[size]["total"] = sum(results[size][k] for k in STAGES)
+            # a stage's time in a step is its slowest rank's
+            per_step = {k: [max(g[k][i] for g in gathered) for i in range(len(measured))] for k in STAGES}
+            totals = [sum(per_step[k][i] for k in STAGES) for i in range(len(measured))]
+            results[size] = {k: statistics.median(v) for k, v in per_step.items()}
+            results[size]["total"] = statistics.median(totals)
+            results[size]["total_min"], results[size]["total_max"] = min(totals), max(totals)
+            results[size]["steps"] = len(measured)
             t.metrics.close()
             if rank == 0:
-                print(f"  world={world} n={size}: total {results[size]['total'] * 1e3:.0f} ms", flush=True)
+                print(f"  world={world} n={size}: total {results[size]['total'] * 1e3:.0f} ms "
+                      f"(median of {len(measured)} steps)", flush=True)
     finally:
         dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+
+
+def flatness(results: dict[int, dict[str, float]]) -> dict[str, float]:
+    """The total's ms per 1k trajectories at each size over their median: the farthest size's deviation, and the
+    largest over the smallest (1.0 = the same cost per trajectory at every size)."""
+    per_k = {n: results[n]["total"] / n for n in results}
+    mid = statistics.median(per_k.values())
+    return {"max_deviation": max(abs(v / mid - 1) for v in per_k.values()),
+            "max_over_min": max(per_k.values()) / min(per_k.values())}
 
 
 def table(results: dict[int, dict[str, float]], world: int) -> tuple[str, dict]:
@@ -217,6 +250,14 @@ def table(results: dict[int, dict[str, float]], world: int) -> tuple[str, dict]:
         growth[k] = doublings
         rows.append(f"{k:<14}" + "".join(f"{v:>9.1f}" for v in per_k) + "   "
                     + " ".join(f"{g:.2f}" for g in doublings))
+    spread = [f"{results[n]['total_min'] * 1e6 / n:.0f}-{results[n]['total_max'] * 1e6 / n:.0f}"
+              for n in sizes] if all("total_min" in results[n] for n in sizes) else []
+    if spread:
+        rows.append(f"{'total min-max':<14}" + "".join(f"{v:>9}" for v in spread))
+        rows.append(f"{'steps':<14}" + "".join(f"{results[n]['steps']:>9}" for n in sizes))
+    flat = flatness(results)
+    rows.append(f"per-trajectory total: farthest size {flat['max_deviation'] * 100:.0f} % from the median of the "
+                f"sizes, largest / smallest {flat['max_over_min']:.2f}")
     return "\n".join([head + "   (ms per 1k trajectories)", *rows]), growth
 
 
@@ -224,7 +265,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="512,2048,8192,32768", help="trajectories per step, comma-separated")
     p.add_argument("--worlds", default="1,2", help="gloo world sizes to run, comma-separated")
-    p.add_argument("--steps", type=int, default=2, help="steps per size; the first is a warm-up when >1")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per size, the first a warm-up (default: after the warm-up, enough steps to fill "
+                        "--budget-s, at least 5 and at most 60)")
+    p.add_argument("--budget-s", type=float, default=4.0, help="seconds of measured steps per size (without --steps)")
     p.add_argument("--gc-interval", type=int, default=1, help="trainer.gc_interval (0: Python's automatic GC)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
@@ -237,13 +281,15 @@ def main(argv=None) -> int:
         for world in [int(w) for w in a.worlds.split(",")]:
             res_path = Path(work) / f"res{world}.json"
             port = 29000 + random.Random(os.getpid() + world).randrange(2000)
-            mp.start_processes(worker, args=(world, sizes, a.steps, port, work, str(res_path), a.gc_interval),
+            mp.start_processes(worker, args=(world, sizes, a.steps, port, work, str(res_path), a.gc_interval,
+                                             a.budget_s),
                                nprocs=world,
                                join=True, start_method="spawn")
             results = {int(k): v for k, v in json.loads(res_path.read_text()).items()}
             text, growth = table(results, world)
             print(text, flush=True)
-            report["worlds"][str(world)] = {"seconds": results, "growth_per_doubling": growth}
+            report["worlds"][str(world)] = {"seconds": results, "growth_per_doubling": growth,
+                                            "flatness": flatness(results)}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=2))
     return 0

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from backends.model.config import ModelConfig
 from backends.model.llama import LlamaModel
 from protocol.rollout.tokenizer import CharTokenizer
-from rldispatch.rollout import RolloutError, RolloutWorker, SamplingParams
+from rldispatch.rollout import RolloutError, RolloutWorker, SamplingParams, run_to_end
 
 TOK = CharTokenizer()
 CFG = ModelConfig()
@@ -213,3 +213,26 @@ def test_single_turn_agent_loop_drives_the_worker():
     assert sum(len(m.keys) for m in metas) == 12
     td = store.kv_batch_get(metas[0].keys, "train", ["responses", "rollout_log_probs"])
     assert td["responses"].size(0) == 4
+
+
+def test_run_to_end_reuses_its_loop_and_cancels_what_a_run_leaves_behind():
+    """The trainer's loop serves every step: each run returns its result or raises, and a task it started and
+    left running is cancelled (awaited) before the call returns, as asyncio.run would."""
+    loop = asyncio.new_event_loop()
+    left = []
+
+    async def step(value):
+        left.append(asyncio.get_running_loop().create_task(asyncio.sleep(3600)))
+        return value
+
+    async def fails():
+        raise RuntimeError("a session failed")
+
+    try:
+        assert run_to_end(loop, step(1)) == 1
+        assert left[0].cancelled() and not asyncio.all_tasks(loop)
+        with pytest.raises(RuntimeError, match="a session failed"):
+            run_to_end(loop, fails())
+        assert run_to_end(loop, step(2)) == 2 and left[1].cancelled()
+    finally:
+        loop.close()
