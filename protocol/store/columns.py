@@ -128,8 +128,8 @@ def _all_rows(col: Column) -> Rows:
     return [col], [(col, i) for i in range(len(col.keys))]
 
 
-_DTYPE, _IS_CPU, _DEVICE = (operator.attrgetter(a) for a in ("dtype", "is_cpu", "device"))
-_DIM = operator.methodcaller("dim")
+_DTYPE, _IS_CPU, _DEVICE, _NDIM = (operator.attrgetter(a) for a in ("dtype", "is_cpu", "device", "ndim"))
+_NUMEL = torch.Tensor.numel
 
 
 def _list_column(name: str, rows: list[torch.Tensor], keys: list[str]) -> Rows:
@@ -140,13 +140,15 @@ def _list_column(name: str, rows: list[torch.Tensor], keys: list[str]) -> Rows:
             raise TypeError(f"field {name!r}: list items must be tensors; positions {preview(bad)} are not "
                             f"(first is {type(rows[bad[0]]).__name__})")
     first = rows[0]
-    ndim = first.dim()
+    ndim = first.ndim
     # one dtype, device and ndim, and (ndim > 1) the same trailing dims; checked in that order because reading
     # a shape or a device makes a Python object per row (C-level maps: a put may hold every row of a step)
-    uniform = len(set(map(_DTYPE, rows))) == 1 and len(set(map(_DIM, rows))) == 1 and \
+    uniform = len(set(map(_DTYPE, rows))) == 1 and len(set(map(_NDIM, rows))) == 1 and \
         (all(map(_IS_CPU, rows)) or len(set(map(_DEVICE, rows))) == 1)
     if ndim >= 1 and uniform and (ndim == 1 or len({r.shape[1:] for r in rows}) == 1):
-        offsets = [0, *itertools.accumulate(r.shape[0] for r in rows)]
+        # a 1-D row's length is its numel, an int: no Size object per row
+        lengths = map(_NUMEL, rows) if ndim == 1 else (r.shape[0] for r in rows)
+        offsets = [0, *itertools.accumulate(lengths)]
         values = torch.cat(rows, 0).detach()
         return _all_rows(Column(name, values if values.is_cpu else values.to("cpu"), offsets, keys))
     if uniform and len({r.shape for r in rows}) == 1:

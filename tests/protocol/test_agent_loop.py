@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 
 import pytest
 import torch
@@ -490,3 +491,41 @@ def test_run_groups_runs_every_session_concurrently():
     assert peak == 12 and [m.extra_info["status"] for m in metas] == ["finished"] * 3
     got = store.kv_batch_get(metas[2].keys, "val", ["responses", "rollout_log_probs"])
     assert got["responses"][:, 0].tolist() == [12] * 4
+
+
+class _Bit(enum.IntEnum):
+    ONE = 1
+
+
+_ID_ITEMS = st.one_of(st.integers(0, 3), st.integers(-2**64, 2**64), st.booleans(), st.floats(0, 2),
+                      st.just(_Bit.ONE))
+
+
+def _built(prompt, response, mask):
+    try:
+        out = AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=mask)
+    except AgentLoopOutputError as exc:
+        return str(exc)
+    return [(t.dtype, t.device.type, t.tolist()) for t in (out.prompt_ids, out.response_ids, out.response_mask)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_ID_ITEMS, max_size=5), st.lists(_ID_ITEMS, max_size=5), st.lists(_ID_ITEMS, max_size=5))
+def test_list_fast_path_equals_per_field_path(prompt, response, mask):
+    """Lists take the one-conversion path, tuples the per-field one: same tensors, or the same error (bools,
+    floats, ints outside int64, masks not 0/1, unequal lengths); int subclasses become plain ints."""
+    assert _built(prompt, response, mask) == _built(tuple(prompt), tuple(response), tuple(mask))
+    if len(response) == len(mask) and len(prompt) >= 1:
+        fast = _built(prompt, response, mask)
+        if not isinstance(fast, str):
+            assert fast[2][2] == [int(m) for m in mask]
+
+
+def test_list_fields_are_int64_views_that_keep_their_own_values():
+    out = AgentLoopOutput(prompt_ids=[5, 6], response_ids=[7, 8, 9], response_mask=[1, 0, 1])
+    assert [t.tolist() for t in (out.prompt_ids, out.response_ids, out.response_mask)] == [[5, 6], [7, 8, 9],
+                                                                                             [1, 0, 1]]
+    assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (out.prompt_ids, out.response_ids,
+                                                                       out.response_mask))
+    out.response_mask[0] = 0  # one field written in place leaves the others as they were
+    assert out.response_ids.tolist() == [7, 8, 9] and out.prompt_ids.tolist() == [5, 6]

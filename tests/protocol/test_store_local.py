@@ -461,3 +461,21 @@ def test_row_ranges_are_the_aranges_of_the_rows_back_to_back(rows):
     lengths = np.array([n for _, n in rows], dtype=np.int64)
     want = [i for s, n in rows for i in range(s, s + n)]
     assert row_ranges(starts, lengths).tolist() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([torch.int64, torch.int32, torch.float32]),
+                          st.integers(1, 2)), min_size=1, max_size=6))
+def test_list_column_keeps_every_row_as_given(specs):
+    """``_list_column``'s rows read back equal to what was given, whether they share one column (one dtype and
+    ndim: lengths from numel for 1-D rows, shape[0] else) or each go alone."""
+    from protocol.store.columns import _list_column
+    rows = [torch.arange(n * 3, dtype=dtype).reshape(n, 3) if ndim == 2 else torch.arange(n, dtype=dtype)
+            for n, dtype, ndim in specs]
+    keys = [f"k{i}" for i in range(len(rows))]
+    cols, refs = _list_column("f", rows, keys)
+    uniform = len({(r.dtype, r.ndim) for r in rows}) == 1
+    assert len(cols) == (1 if uniform else len(rows))
+    for (col, i), row in zip(refs, rows):
+        got = col.row(i)
+        assert got.dtype == row.dtype and torch.equal(got, row)
