@@ -11,10 +11,12 @@ trajectories at every size::
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step_overhead.py --out /tmp/overhead.json
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_step_overhead.py --sizes 512,2048 --worlds 1
 
-Prints per stage: ms per 1k trajectories at each size (the median of the measured steps: after a warm-up step,
-as many as fill ``--budget-s``, at least 5, so a small size gets many), and the growth ratio of that figure per size
-doubling (1.0 = linear; 2.0 = quadratic); then the total's min-max over the steps and how flat the per-trajectory
-total is over the sizes. On 2 ranks a stage's time in a step is its slowest rank's.
+Prints per stage: ms per 1k trajectories at each size and the growth ratio of that figure per size doubling
+(1.0 = linear; 2.0 = quadratic); then the step's non-model wall time per 1k trajectories, the min-max over the
+steps, and how flat the cost per trajectory is over the sizes. After a warm-up step, each size measures pairs of
+steps until ``--budget-s`` is spent (at least 3 pairs, so a small size gets many): one step with barriers between
+the stages (a stage's time is its own: on 2 ranks its slowest rank's), one without, as the trainer runs (its wall
+time: the slowest rank's stages back to back). Figures are medians over the steps.
 """
 from __future__ import annotations
 
@@ -130,10 +132,12 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     return t
 
 
-def one_step(t, step: int, on_stage=None) -> dict[str, float]:
-    """One step of the non-model stages; returns seconds per stage on this rank (barriers between stages).
+def one_step(t, step: int, on_stage=None, barriers: bool = True) -> dict[str, float]:
+    """One step of the non-model stages; returns seconds per stage on this rank.
 
-    ``on_stage(name)`` is called as each stage starts (the complexity test counts operations per stage with it).
+    ``barriers``: the ranks meet before each stage, so a stage's time is its own (without them, as in the trainer,
+    a stage also waits for the peers' previous stages to end). ``on_stage(name)`` is called as each stage starts
+    (the complexity test counts operations per stage with it).
     """
     from rldispatch.grpo import TRAIN, StepState
 
@@ -143,7 +147,7 @@ def one_step(t, step: int, on_stage=None) -> dict[str, float]:
     world = t.ctx.world
 
     def timed(name, fn, *args):
-        if world > 1:
+        if world > 1 and barriers:
             dist.barrier()
         if on_stage is not None:
             on_stage(name.removesuffix("_fetch").removesuffix("_finish"))
@@ -181,17 +185,22 @@ def one_step(t, step: int, on_stage=None) -> dict[str, float]:
     return times
 
 
-def measured_steps(warmup_s: float, budget_s: float, least: int, most: int) -> int:
-    """How many steps to measure after a warm-up step of ``warmup_s``: enough to fill ``budget_s``, at least
-    ``least`` (a median of few steps at a small size is one collective's latency tail away from another) and at
-    most ``most``."""
-    return max(least, min(most, math.ceil(budget_s / max(warmup_s, 1e-6))))
+def more(pairs: int, elapsed: float, steps: int | None, budget_s: float, least: int, most: int) -> bool:
+    """Whether to measure another pair of steps, agreed by the ranks (rank 0's clock decides): ``steps - 1`` pairs
+    when given, else until ``budget_s`` is spent, at least ``least`` pairs (a median of few steps at a small size
+    is one collective's latency tail away from another) and at most ``most``."""
+    if steps is not None:
+        return pairs < steps - 1
+    go = torch.tensor([pairs < least or (elapsed < budget_s and pairs < most)], dtype=torch.int64)
+    if dist.get_world_size() > 1:
+        dist.broadcast(go, src=0)
+    return bool(go)
 
 
 def worker(rank: int, world: int, sizes: list[int], steps: int | None, port: int, work: str, out: str,
-           gc_interval: int, budget_s: float = 4.0, least: int = 5, most: int = 60) -> None:
-    """Every size: one warm-up step, then ``steps - 1`` measured ones (``steps`` None: :func:`measured_steps` of
-    the warm-up, agreed by the ranks); records each stage's median and the total's spread, the slowest rank's."""
+           gc_interval: int, budget_s: float = 4.0, least: int = 3, most: int = 60) -> None:
+    """Every size: one warm-up step, then pairs of measured steps (:func:`more`); records each stage's median and
+    the median step wall time, with their spreads, of the slowest rank."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -201,38 +210,42 @@ def worker(rank: int, world: int, sizes: list[int], steps: int | None, port: int
         for size in sizes:
             t = build_trainer(size, rank, world, Path(work) / f"n{size}", gc_interval)
             t.gc.start()
+            runs, walls = [one_step(t, 0)], []  # the first step warms caches up
+            # steps with barriers between the stages (each stage's own time) alternate with steps without (the
+            # non-model wall time of a step as the trainer runs it: each rank's stages back to back)
             start = time.perf_counter()
-            runs = [one_step(t, 0)]
-            warmup = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(warmup, op=dist.ReduceOp.MAX)  # every rank runs the same number of steps
-            count = measured_steps(float(warmup), budget_s, least, most) if steps is None else steps - 1
-            runs += [one_step(t, s) for s in range(1, count + 1)]
+            while more(len(walls), time.perf_counter() - start, steps, budget_s, least, most):
+                runs.append(one_step(t, 2 * len(walls) + 1))
+                walls.append(sum(one_step(t, 2 * len(walls) + 2, barriers=False).values()))
             t.gc.stop()
-            measured = runs[1:] or runs  # the first step warms caches up
+            measured = runs[1:] or runs
             local = {k: [r[k] for r in measured] for k in STAGES}
             gathered: list = [None] * world
-            dist.all_gather_object(gathered, local)
-            # a stage's time in a step is its slowest rank's
-            per_step = {k: [max(g[k][i] for g in gathered) for i in range(len(measured))] for k in STAGES}
+            dist.all_gather_object(gathered, (local, walls))
+            # a stage's time in a step is its slowest rank's; so is a step's wall time
+            per_step = {k: [max(g[0][k][i] for g in gathered) for i in range(len(measured))] for k in STAGES}
             totals = [sum(per_step[k][i] for k in STAGES) for i in range(len(measured))]
+            wall = [max(g[1][i] for g in gathered) for i in range(len(walls))]
             results[size] = {k: statistics.median(v) for k, v in per_step.items()}
             results[size]["total"] = statistics.median(totals)
             results[size]["total_min"], results[size]["total_max"] = min(totals), max(totals)
+            results[size]["wall"] = statistics.median(wall) if wall else results[size]["total"]
+            results[size]["wall_min"], results[size]["wall_max"] = (min(wall), max(wall)) if wall else (0.0, 0.0)
             results[size]["steps"] = len(measured)
             t.metrics.close()
             if rank == 0:
-                print(f"  world={world} n={size}: total {results[size]['total'] * 1e3:.0f} ms "
-                      f"(median of {len(measured)} steps)", flush=True)
+                print(f"  world={world} n={size}: stages {results[size]['total'] * 1e3:.0f} ms, step wall "
+                      f"{results[size]['wall'] * 1e3:.0f} ms (medians of {len(measured)} steps each)", flush=True)
     finally:
         dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
 
 
-def flatness(results: dict[int, dict[str, float]]) -> dict[str, float]:
-    """The total's ms per 1k trajectories at each size over their median: the farthest size's deviation, and the
-    largest over the smallest (1.0 = the same cost per trajectory at every size)."""
-    per_k = {n: results[n]["total"] / n for n in results}
+def flatness(results: dict[int, dict[str, float]], key: str = "total") -> dict[str, float]:
+    """``key``'s (the stages' total, or the step's wall time) cost per trajectory at each size over the median of
+    the sizes: the farthest size's deviation, and the largest over the smallest (1.0: the same at every size)."""
+    per_k = {n: results[n][key] / n for n in results}
     mid = statistics.median(per_k.values())
     return {"max_deviation": max(abs(v / mid - 1) for v in per_k.values()),
             "max_over_min": max(per_k.values()) / min(per_k.values())}
@@ -250,14 +263,22 @@ def table(results: dict[int, dict[str, float]], world: int) -> tuple[str, dict]:
         growth[k] = doublings
         rows.append(f"{k:<14}" + "".join(f"{v:>9.1f}" for v in per_k) + "   "
                     + " ".join(f"{g:.2f}" for g in doublings))
-    spread = [f"{results[n]['total_min'] * 1e6 / n:.0f}-{results[n]['total_max'] * 1e6 / n:.0f}"
-              for n in sizes] if all("total_min" in results[n] for n in sizes) else []
-    if spread:
-        rows.append(f"{'total min-max':<14}" + "".join(f"{v:>9}" for v in spread))
-        rows.append(f"{'steps':<14}" + "".join(f"{results[n]['steps']:>9}" for n in sizes))
-    flat = flatness(results)
-    rows.append(f"per-trajectory total: farthest size {flat['max_deviation'] * 100:.0f} % from the median of the "
-                f"sizes, largest / smallest {flat['max_over_min']:.2f}")
+    def row(name: str, cells: list) -> None:
+        rows.append(f"{name:<14}" + "".join(f"{c:>9}" for c in cells))
+
+    for key in ("total", "wall"):
+        if all(f"{key}_min" in results[n] for n in sizes):
+            if key == "wall":
+                row("step wall", [f"{results[n]['wall'] * 1e6 / n:.1f}" for n in sizes])
+            row(f"{key} min-max", [f"{results[n][key + '_min'] * 1e6 / n:.0f}-{results[n][key + '_max'] * 1e6 / n:.0f}"
+                                   for n in sizes])
+    if all("steps" in results[n] for n in sizes):
+        row("steps", [results[n]["steps"] for n in sizes])
+    for key, what in (("total", "stages' total"), ("wall", "step wall")):
+        if all(key in results[n] for n in sizes):
+            flat = flatness(results, key)
+            rows.append(f"per trajectory, {what}: farthest size {flat['max_deviation'] * 100:.0f} % from the median "
+                        f"of the sizes, largest / smallest {flat['max_over_min']:.2f}")
     return "\n".join([head + "   (ms per 1k trajectories)", *rows]), growth
 
 
@@ -266,8 +287,8 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="512,2048,8192,32768", help="trajectories per step, comma-separated")
     p.add_argument("--worlds", default="1,2", help="gloo world sizes to run, comma-separated")
     p.add_argument("--steps", type=int, default=None,
-                   help="steps per size, the first a warm-up (default: after the warm-up, enough steps to fill "
-                        "--budget-s, at least 5 and at most 60)")
+                   help="a warm-up step, then STEPS-1 measured pairs of steps (one with barriers between the stages, one "
+                        "without) per size (default: as many pairs as fill --budget-s, at least 3 and at most 60)")
     p.add_argument("--budget-s", type=float, default=4.0, help="seconds of measured steps per size (without --steps)")
     p.add_argument("--gc-interval", type=int, default=1, help="trainer.gc_interval (0: Python's automatic GC)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -289,7 +310,7 @@ def main(argv=None) -> int:
             text, growth = table(results, world)
             print(text, flush=True)
             report["worlds"][str(world)] = {"seconds": results, "growth_per_doubling": growth,
-                                            "flatness": flatness(results)}
+                                            "flatness": flatness(results), "wall_flatness": flatness(results, "wall")}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=2))
     return 0
