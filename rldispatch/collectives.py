@@ -6,6 +6,7 @@ trip where ``torch.distributed``'s own take two.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 from typing import Any, Callable, Mapping, Sequence
@@ -14,8 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["INLINE_BYTES", "INLINE_TOTAL", "inline_bytes", "gather_objects", "frame", "exchange_frames", "key_digest",
-           "check_digests"]
+__all__ = ["INLINE_BYTES", "INLINE_TOTAL", "inline_bytes", "gather_objects", "global_rank", "frame", "exchange_frames",
+           "key_digest", "check_digests"]
 
 #: Pickled bytes an object may always have to travel with its size in the first round trip (larger: a second).
 INLINE_BYTES = 16384
@@ -27,7 +28,7 @@ INLINE_TOTAL = 131072
 def inline_bytes(world: int) -> int:
     """Pickled bytes each of ``world`` ranks sends with its size in :func:`gather_objects`' first all-gather."""
     return max(INLINE_BYTES, INLINE_TOTAL // max(world, 1))
-_HEAD = 8  # the int64 byte count in front of each rank's inline bytes
+_HEAD = 8  # the int64 byte count in front of a rank's inline bytes (all-gather) or of a frame
 
 
 def gather_objects(obj: Any, group: Any = None, device: Any = None) -> list[Any]:
@@ -72,6 +73,11 @@ def _all_gather_bytes(buf: np.ndarray, world: int, group: Any, device: Any) -> l
     return [p.cpu().numpy() for p in parts]
 
 
+def global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (point-to-point ops name peers by global rank)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def frame(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
     """One message for :func:`exchange_frames`: the CPU uint8 ``chunks`` behind the frame's own byte count (int64,
     the count included), so a receiver knows how much of its buffer holds the frame."""
@@ -90,10 +96,7 @@ def exchange_frames(frames: Mapping[int, torch.Tensor], first: int, group: Any =
     complete whatever it does."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [r for r in range(world) if r != me]
-
-    def to_global(r: int) -> int:
-        return r if group is None else dist.get_global_rank(group, r)
-
+    to_global = functools.partial(global_rank, group)
     inbox = {src: torch.empty(first, dtype=torch.uint8) for src in peers}
     ops = [dist.P2POp(dist.irecv, inbox[src], to_global(src), group=group) for src in peers]
     ops += [dist.P2POp(dist.isend, frames[dst][:first], to_global(dst), group=group) for dst in peers]

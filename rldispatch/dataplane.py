@@ -28,7 +28,7 @@ from protocol.store import KVStore, StepStore
 from protocol.store.columns import Column, gather_field, row_ranges
 from protocol.store.batching import batch_of
 from protocol.store.meta import copy_tag, copy_tags
-from rldispatch.collectives import exchange_frames, frame, gather_objects, key_digest
+from rldispatch.collectives import exchange_frames, frame, gather_objects, global_rank, key_digest
 
 __all__ = ["ShardedStore", "DataPlaneError"]
 
@@ -489,10 +489,11 @@ class ShardedStore(StepStore):
             n = int(matrix[src][self.rank])
             if src != self.rank and n:
                 inbox[src] = torch.empty(n, dtype=torch.uint8, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, inbox[src], self._global(src), group=self.group))
+                ops.append(dist.P2POp(dist.irecv, inbox[src], global_rank(self.group, src), group=self.group))
         for dst, blob in enumerate(blobs):
             if blob is not None:
-                ops.append(dist.P2POp(dist.isend, blob.to(self.device), self._global(dst), group=self.group))
+                ops.append(dist.P2POp(dist.isend, blob.to(self.device), global_rank(self.group, dst),
+                                      group=self.group))
                 self.bytes_sent += blob.numel()
         reqs = dist.batch_isend_irecv(ops) if ops else []
         try:
@@ -519,5 +520,3 @@ class ShardedStore(StepStore):
                 received[src] = _decode(msg[_ALIGN:])
         return received, done
 
-    def _global(self, group_rank: int) -> int:
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

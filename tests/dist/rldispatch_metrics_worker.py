@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from backends.comm import allreduce_counts
-from rldispatch.collectives import INLINE_BYTES, INLINE_TOTAL, check_digests, gather_objects, inline_bytes, key_digest
+from rldispatch.collectives import (INLINE_BYTES, INLINE_TOTAL, check_digests, gather_objects, global_rank,
+                                    inline_bytes, key_digest)
 from rldispatch.metrics import MetricsError, StepStats, distributed_masked_stats, masked_stats
 
 
@@ -109,6 +110,9 @@ def collectives(rank: int) -> None:
             setattr(dist, counted_name, real)
             dist.get_backend = get_backend
     assert gather_objects(None) == [None, None]
+    sub = dist.new_group([0, 1])  # a group's framed exchange names its peers by global rank
+    assert global_rank(sub, 1 - rank) == 1 - rank and global_rank(None, 1) == 1
+    assert gather_objects(("sub", rank), group=sub) == [("sub", 0), ("sub", 1)]
     check_digests(gather_objects(key_digest(["a", "b"])), "keys", 2)
     assert key_digest(["a", "b"]) != key_digest(["b", "a"])
     try:
