@@ -2,7 +2,8 @@
 
 A GRPO step exchanges metadata between ranks a dozen times (tag syncs, fetch requests, metrics). Each round trip
 costs a fixed latency, which at small batches is most of the step's overhead, so these helpers take one round
-trip where ``torch.distributed``'s own take two.
+trip where ``torch.distributed``'s own take two, and under gloo, between ranks of one host, go over the group's
+:mod:`rldispatch.host_channel` instead of gloo's messages.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from rldispatch.host_channel import host_channel
 
 __all__ = ["INLINE_BYTES", "INLINE_TOTAL", "inline_bytes", "gather_objects", "global_rank", "frame", "exchange_frames",
            "key_digest", "check_digests"]
@@ -42,6 +45,8 @@ def gather_objects(obj: Any, group: Any = None, device: Any = None) -> list[Any]
     under NCCL).
     """
     world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
     me = dist.get_rank(group)
     inline = inline_bytes(world)
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -93,7 +98,11 @@ def exchange_frames(frames: Mapping[int, torch.Tensor], first: int, group: Any =
     The first ``first`` bytes of each frame travel at once into a buffer of that size (gloo receives a shorter
     message into a longer buffer), so no size travels ahead; a longer frame sends its rest as a second part.
     ``meanwhile()`` runs once the first parts are posted, so local work overlaps the transfer; the transfers
-    complete whatever it does."""
+    complete whatever it does. A group whose ranks share this host sends the frames whole over its
+    :class:`~rldispatch.host_channel.HostChannel` instead (no rendezvous through gloo's thread)."""
+    channel = host_channel(group)
+    if channel is not None:
+        return channel.exchange(frames, meanwhile)
     me, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [r for r in range(world) if r != me]
     to_global = functools.partial(global_rank, group)

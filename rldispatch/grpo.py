@@ -51,12 +51,13 @@ from protocol.store.keys import uid_of
 from protocol.rollout.tokenizer import check_vocab_fits, decode_response, load_tokenizer, resolve_tokenizer
 from rldispatch.bridge import StoreBridge
 from rldispatch.config import ConfigError, RunConfig
-from rldispatch.collectives import check_digests, key_digest
+from rldispatch.collectives import check_digests, gather_objects, key_digest
 from rldispatch.run_dir import (RUN_RECORD, check_resume_config, checkpoint_candidates, claim_run_dir,
                                 write_run_record)
 from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
 from rldispatch.gc_policy import StepGC
+from rldispatch.host_channel import set_host_channels
 from rldispatch.metrics import (
     MetricsLogger, StepStats, Timer, distributed_masked_stats, sample_lengths,
 )
@@ -775,11 +776,9 @@ class GRPOTrainer:
             signal.signal(signum, note)
 
     def _signal_seen(self) -> int:
-        """The signal any rank has received (every rank agrees, so all stop at the same step), or 0."""
-        mine = float(self._signals[0]) if self._signals else 0.0
-        t = torch.tensor([mine], dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        """The signal any rank has received (every rank agrees, so all stop at the same step), or 0; one small
+        gather (over the host channel when the ranks share a host), not a gloo all-reduce."""
+        return max(gather_objects(self._signals[0] if self._signals else 0, device=self.ctx.device))
 
     def _check_update(self, metrics: dict[str, float]) -> None:
         """A non-finite update was rolled back by the engine (``on_nonfinite=skip``: said and counted) or stops the
@@ -804,6 +803,7 @@ def run(cfg: RunConfig) -> int:
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()
+    set_host_channels(cfg.trainer.host_channel, cfg.trainer.dist_timeout_s)
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     try:
