@@ -25,6 +25,7 @@ __all__ = ["HostChannel", "HostChannelError", "host_channel", "set_host_channels
 
 _HEAD = 8  # a frame starts with its own byte count (int64, the count included): rldispatch.collectives.frame
 _LOOPBACK = "127.0.0.1"
+_CONNECT_S = 60.0  # a loopback connection takes microseconds; a rank that cannot make one in this long falls back
 
 
 class HostChannelError(RuntimeError):
@@ -58,14 +59,14 @@ class HostChannel:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind((_LOOPBACK, 0))
         listener.listen(world)
-        listener.settimeout(timeout_s)
+        setup_s = min(timeout_s, _CONNECT_S)
         seen: list = [None] * world
         dist.all_gather_object(seen, (host_identity(), listener.getsockname()[1]), group=group)
         peers: dict[int, socket.socket] = {}
         ok = seen[0][0] is not None and all(ident == seen[0][0] for ident, _ in seen)
         try:
             if ok:
-                peers = cls._pair_up(rank, world, listener, [port for _, port in seen], timeout_s)
+                peers = cls._pair_up(rank, world, listener, [port for _, port in seen], setup_s)
         except OSError:
             ok = False
         finally:
@@ -82,7 +83,8 @@ class HostChannel:
     def _pair_up(rank: int, world: int, listener: socket.socket, ports: list[int], timeout_s: float
                  ) -> dict[int, socket.socket]:
         """Connect to every lower rank (saying who this is), accept every higher one (a listener's backlog takes a
-        connection before its accept, so no order of the ranks can block)."""
+        connection before its accept, so no order of the ranks can block); each step waits at most ``timeout_s``."""
+        listener.settimeout(timeout_s)
         peers: dict[int, socket.socket] = {}
         for peer in range(rank):
             s = socket.create_connection((_LOOPBACK, ports[peer]), timeout=timeout_s)
@@ -168,14 +170,17 @@ class HostChannel:
         def receiving(p: int) -> bool:
             return p not in bufs or got[p] < bufs[p].numel()
 
+        def waits_for(p: int) -> int:
+            """The socket events the exchange with ``p`` still waits for (0: done)."""
+            return (selectors.EVENT_READ if receiving(p) else 0) | \
+                (selectors.EVENT_WRITE if sent[p] < len(out[p]) else 0)
+
         deadline = time.monotonic() + self.timeout_s
         with selectors.DefaultSelector() as sel:
             for p, s in self.peers.items():
                 self._recv_some(p, heads, got, bufs)
-                events = (selectors.EVENT_READ if receiving(p) else 0) | \
-                    (selectors.EVENT_WRITE if sent[p] < len(out[p]) else 0)
-                if events:
-                    sel.register(s, events, p)
+                if waits_for(p):
+                    sel.register(s, waits_for(p), p)
             while sel.get_map():
                 left = deadline - time.monotonic()
                 ready = sel.select(timeout=max(left, 0.0))
@@ -190,8 +195,7 @@ class HostChannel:
                         self._send_some(p, out[p], sent)
                     if receiving(p):
                         self._recv_some(p, heads, got, bufs)
-                    events = (selectors.EVENT_READ if receiving(p) else 0) | \
-                        (selectors.EVENT_WRITE if sent[p] < len(out[p]) else 0)
+                    events = waits_for(p)
                     if not events:
                         sel.unregister(key.fileobj)
                     elif events != key.events:
