@@ -46,8 +46,8 @@ def host_identity() -> tuple[str, int] | None:
 class HostChannel:
     """One connected socket to each peer of a group whose ranks run on this host (index = group rank)."""
 
-    def __init__(self, rank: int, world: int, peers: Mapping[int, socket.socket], timeout_s: float):
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+    def __init__(self, rank: int, peers: Mapping[int, socket.socket], timeout_s: float):
+        self.rank, self.timeout_s = rank, timeout_s
         self.peers = dict(peers)
         self.exchanges = 0
 
@@ -77,7 +77,7 @@ class HostChannel:
             for s in peers.values():
                 s.close()
             return None
-        return cls(rank, world, peers, timeout_s)
+        return cls(rank, peers, timeout_s)
 
     @staticmethod
     def _pair_up(rank: int, world: int, listener: socket.socket, ports: list[int], timeout_s: float

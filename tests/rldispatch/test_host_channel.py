@@ -22,7 +22,7 @@ def mesh(world: int, timeout_s: float = 30.0) -> list[HostChannel]:
     for ends in peers:
         for s in ends.values():
             s.setblocking(False)
-    return [HostChannel(r, world, peers[r], timeout_s) for r in range(world)]
+    return [HostChannel(r, peers[r], timeout_s) for r in range(world)]
 
 
 def run_ranks(channels: list[HostChannel], body) -> list:
