@@ -200,7 +200,7 @@ def more(pairs: int, elapsed: float, steps: int | None, budget_s: float, least: 
 
 
 def worker(rank: int, world: int, sizes: list[int], steps: int | None, port: int, work: str, out: str,
-           gc_interval: int, budget_s: float = 4.0, least: int = 3, most: int = 60, host_channel: bool = True) -> None:
+           gc_interval: int, host_channel: bool = True, budget_s: float = 4.0, least: int = 3, most: int = 60) -> None:
     """Every size: one warm-up step, then pairs of measured steps (:func:`more`); records each stage's median and
     the median step wall time, with their spreads, of the slowest rank. ``host_channel``: ``trainer.host_channel``
     (off: the ranks exchange through gloo's point-to-point messages, as ranks on several hosts do)."""
@@ -257,7 +257,7 @@ def flatness(results: dict[int, dict[str, float]], key: str = "total") -> dict[s
             "max_over_min": max(per_k.values()) / min(per_k.values())}
 
 
-def table(results: dict[int, dict[str, float]], world: int | str) -> tuple[str, dict]:
+def table(results: dict[int, dict[str, float]], world: str) -> tuple[str, dict]:
     """Per stage: ms per 1k trajectories at each size and the growth ratio per doubling of the size."""
     sizes = sorted(results)
     rows, growth = [], {}
@@ -311,14 +311,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as work:
         for world in [int(w) for w in a.worlds.split(",")]:
             for channel in channels if world > 1 else [True]:
-                name = str(world) if channel or world == 1 else f"{world}/gloo"
+                name = str(world) if channel else f"{world}/gloo"
                 res_path = Path(work) / f"res{name.replace('/', '_')}.json"
                 port = 29000 + random.Random(f"{os.getpid()}:{name}").randrange(2000)
                 mp.start_processes(worker, args=(world, sizes, a.steps, port, work, str(res_path), a.gc_interval,
-                                                 a.budget_s, 3, 60, channel),
+                                                 channel, a.budget_s),
                                    nprocs=world, join=True, start_method="spawn")
                 results = {int(k): v for k, v in json.loads(res_path.read_text()).items()}
-                text, growth = table(results, world if channel or world == 1 else name)
+                text, growth = table(results, name)
                 print(text, flush=True)
                 report["worlds"][name] = {"seconds": results, "growth_per_doubling": growth,
                                           "flatness": flatness(results), "wall_flatness": flatness(results, "wall")}
