@@ -2,8 +2,7 @@
 
 A GRPO step exchanges metadata between ranks a dozen times (tag syncs, fetch requests, metrics). Each round trip
 costs a fixed latency, which at small batches is most of the step's overhead, so these helpers take one round
-trip where ``torch.distributed``'s own take two, and under gloo, between ranks of one host, go over the group's
-:mod:`rldispatch.host_channel` instead of gloo's messages.
+trip where ``torch.distributed``'s own take two.
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rldispatch.host_channel import host_channel
 
 __all__ = ["INLINE_BYTES", "INLINE_TOTAL", "inline_bytes", "gather_objects", "global_rank", "frame", "exchange_frames",
            "key_digest", "check_digests"]
@@ -98,11 +96,7 @@ def exchange_frames(frames: Mapping[int, torch.Tensor], first: int, group: Any =
     The first ``first`` bytes of each frame travel at once into a buffer of that size (gloo receives a shorter
     message into a longer buffer), so no size travels ahead; a longer frame sends its rest as a second part.
     ``meanwhile()`` runs once the first parts are posted, so local work overlaps the transfer; the transfers
-    complete whatever it does. A group whose ranks share this host sends the frames whole over its
-    :class:`~rldispatch.host_channel.HostChannel` instead (no rendezvous through gloo's thread)."""
-    channel = host_channel(group)
-    if channel is not None:
-        return channel.exchange(frames, meanwhile)
+    complete whatever it does."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [r for r in range(world) if r != me]
     to_global = functools.partial(global_rank, group)

@@ -128,7 +128,6 @@ class TrainerSection:
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a non-finite update: roll back to the pre-step weights | stop
     run_dir_exists: Literal["refuse", "overwrite"] = "refuse"  # a run dir holding another run's metrics/checkpoints
     gc_interval: int = 1  # steps between garbage collections, automatic GC off meanwhile; 0 = Python's automatic GC
-    host_channel: bool = True  # gloo ranks on one host exchange the step's frames over loopback sockets
 
 
 @dataclass

@@ -57,7 +57,6 @@ from rldispatch.run_dir import (RUN_RECORD, check_resume_config, checkpoint_cand
 from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
 from rldispatch.gc_policy import StepGC
-from rldispatch.host_channel import set_host_channels
 from rldispatch.metrics import (
     MetricsLogger, StepStats, Timer, distributed_masked_stats, sample_lengths,
 )
@@ -777,7 +776,7 @@ class GRPOTrainer:
 
     def _signal_seen(self) -> int:
         """The signal any rank has received (every rank agrees, so all stop at the same step), or 0; one small
-        gather (over the host channel when the ranks share a host), not a gloo all-reduce."""
+        gather, not an all-reduce."""
         return max(gather_objects(self._signals[0] if self._signals else 0, device=self.ctx.device))
 
     def _check_update(self, metrics: dict[str, float]) -> None:
@@ -803,7 +802,6 @@ def run(cfg: RunConfig) -> int:
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()
-    set_host_channels(cfg.trainer.host_channel, cfg.trainer.dist_timeout_s)
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     try:

@@ -30,7 +30,7 @@ REFUSED_ON_RESUME = ("model.", "actor.backend", "actor.fsdp.", "actor.megatron."
                      "trainer.seed")
 _LAYOUT_FREE = ("actor.fsdp.activation_checkpointing",)  # inside a refused section, but changes no saved state
 _NOT_SETTINGS = ("trainer.resume", "trainer.run_dir_exists", "trainer.progress_bar", "trainer.run_dir",
-                 "trainer.gc_interval", "trainer.host_channel")
+                 "trainer.gc_interval")
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

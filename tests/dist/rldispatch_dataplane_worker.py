@@ -1,5 +1,5 @@
-"""Data plane across 2 gloo ranks: replicated tags, point-to-point values, clear; once over the host channel (ranks
-on one host), once over gloo's messages (ranks on several hosts). Run by tests/rldispatch/test_dataplane.py."""
+"""Data plane across 2 gloo ranks: replicated tags, point-to-point values, clear. Run by
+tests/rldispatch/test_dataplane.py."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,6 @@ from tensordict import TensorDict
 from protocol.batch.nested import to_nested
 from protocol.store import LocalStore
 from rldispatch.dataplane import DataPlaneError, ShardedStore, first_part_bytes
-from rldispatch.host_channel import HostChannel, host_channel, set_host_channels
 
 
 def value_of(key: str) -> torch.Tensor:
@@ -19,12 +18,10 @@ def value_of(key: str) -> torch.Tensor:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    for channels in (True, False):
-        set_host_channels(channels)
-        check(channels)
+    check()
 
 
-def check(channels: bool) -> None:
+def check() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = ShardedStore(LocalStore())
     keys = [f"u{rank}_{i}_0" for i in range(3)] + [f"u{rank}_9_e"]
@@ -78,12 +75,12 @@ def check(channels: bool) -> None:
     def no_collective(*_, **__):
         raise AssertionError("a planned fetch of held values communicated")
 
-    saved = dist.all_gather, dist.batch_isend_irecv, HostChannel.exchange
-    dist.all_gather = dist.batch_isend_irecv = HostChannel.exchange = no_collective
+    saved = dist.all_gather, dist.batch_isend_irecv
+    dist.all_gather = dist.batch_isend_irecv = no_collective
     try:
         local = store.fetch_planned([[f"u{r}_2_0", f"u{r}_0_0"] for r in range(world)], "train", ["x", "score"])
     finally:
-        dist.all_gather, dist.batch_isend_irecv, HostChannel.exchange = saved
+        dist.all_gather, dist.batch_isend_irecv = saved
     assert [v.tolist() for v in local["x"].unbind()] == [value_of(f"u{rank}_{i}_0").tolist() for i in (2, 0)]
     try:
         store.fetch_planned(wants[:1], "train", ["x"])
@@ -96,11 +93,11 @@ def check(channels: bool) -> None:
     planned_puts = [[f"u{r}_1_0", f"u{r}_0_0"] for r in range(world)]
     store.kv_batch_put(planned_puts[rank], "train", TensorDict({"adv": torch.tensor([1.0, 0.0]) + 10 * rank},
                                                                 batch_size=[2]))
-    dist.all_gather = dist.batch_isend_irecv = HostChannel.exchange = no_collective
+    dist.all_gather = dist.batch_isend_irecv = no_collective
     try:
         store.sync_planned(planned_puts, "train", ["adv"])
     finally:
-        dist.all_gather, dist.batch_isend_irecv, HostChannel.exchange = saved
+        dist.all_gather, dist.batch_isend_irecv = saved
     assert store.location(f"u{other}_0_0", "adv", "train") == other and not store._pending
     got = store.fetch([f"u{other}_0_0", f"u{rank}_1_0"], "train", ["adv"])
     assert got["adv"].tolist() == [10.0 * other, 1.0 + 10 * rank]
@@ -167,9 +164,8 @@ def check(channels: bool) -> None:
     store.kv_clear(all_keys, "train")
     assert store.num_keys() == 0 and store.local.stats()["keys"] == 0, store.local.stats()
     dist.barrier()
-    assert (host_channel() is not None) == channels
     if rank == 0:
-        print(f"DATAPLANE OK host_channel={channels} bytes={remote_bytes}")
+        print(f"DATAPLANE OK bytes={remote_bytes}")
 
 
 if __name__ == "__main__":

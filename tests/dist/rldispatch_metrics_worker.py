@@ -8,8 +8,6 @@ import torch.distributed as dist
 from backends.comm import allreduce_counts
 from rldispatch.collectives import (INLINE_BYTES, INLINE_TOTAL, check_digests, gather_objects, global_rank,
                                     inline_bytes, key_digest)
-import rldispatch.host_channel as host_channel_module
-from rldispatch.host_channel import host_channel, set_host_channels
 from rldispatch.metrics import MetricsError, StepStats, distributed_masked_stats, masked_stats
 
 
@@ -80,17 +78,16 @@ def refused(stats: StepStats, fragment: str) -> None:
 
 
 def collectives(rank: int) -> None:
-    """Under gloo a small object takes one round trip and a large one on either rank two (one exchange of any size
-    over a host channel); each rank's own entry is its object."""
+    """Under gloo a small object takes one round trip and a large one on either rank two; each rank's own entry is
+    its object."""
     small = {"rank": rank, "keys": [f"k{i}" for i in range(rank + 3)]}
     got = gather_objects(small)
     assert got == [{"rank": r, "keys": [f"k{i}" for i in range(r + 3)]} for r in range(2)], got
     assert got[rank] is small
     inline = inline_bytes(2)
     assert inline == max(INLINE_BYTES, INLINE_TOTAL // 2) and inline_bytes(64) == INLINE_BYTES
-    # count the round trips: point-to-point batches under gloo (host channels off, as between hosts); all-gathers
-    # on the NCCL path, taken here by letting gather_objects see another backend name (the all-gather is gloo's)
-    set_host_channels(False)
+    # count the round trips: point-to-point batches under gloo; all-gathers on the NCCL path, taken here by letting
+    # gather_objects see another backend name (the all-gather is gloo's)
     for counted_name, backend in (("batch_isend_irecv", "gloo"), ("all_gather", "nccl")):
         calls = []
         real, get_backend = getattr(dist, counted_name), dist.get_backend
@@ -113,37 +110,10 @@ def collectives(rank: int) -> None:
         finally:
             setattr(dist, counted_name, real)
             dist.get_backend = get_backend
-    set_host_channels(True)
-    # ranks on one host: the world's channel connects at its first exchange; any object is one exchange, no gloo
-    for size in (10, inline + 64, 3 << 20):
-        channel = host_channel()
-        before = channel.exchanges
-        saved = dist.batch_isend_irecv
-        dist.batch_isend_irecv = None  # nothing goes through gloo
-        try:
-            big = bytes(range(256)) * (size // 256) if rank == 1 else b"x"
-            got = gather_objects(big)
-        finally:
-            dist.batch_isend_irecv = saved
-        assert got == [b"x", bytes(range(256)) * (size // 256)] and channel.exchanges == before + 1, size
-    assert host_channel() is host_channel() and host_channel().peers.keys() == {1 - rank}
-    # a group whose ranks report different hosts keeps gloo, on every rank
-    real_identity = host_channel_module.host_identity
-    host_channel_module.host_identity = lambda: ("elsewhere", 1) if rank == 1 else real_identity()
-    try:
-        apart = dist.new_group([0, 1])
-        assert gather_objects(("apart", rank), group=apart) == [("apart", 0), ("apart", 1)]
-        assert host_channel(apart) is None
-    finally:
-        host_channel_module.host_identity = real_identity
     assert gather_objects(None) == [None, None]
     sub = dist.new_group([0, 1])  # a group's framed exchange names its peers by global rank
     assert global_rank(sub, 1 - rank) == 1 - rank and global_rank(None, 1) == 1
     assert gather_objects(("sub", rank), group=sub) == [("sub", 0), ("sub", 1)]
-    assert host_channel(sub) not in (None, host_channel())  # a group has its own channel
-    set_host_channels(False)
-    assert gather_objects(("sub", rank), group=sub) == [("sub", 0), ("sub", 1)]  # and over gloo, by global rank
-    set_host_channels(True)
     check_digests(gather_objects(key_digest(["a", "b"])), "keys", 2)
     assert key_digest(["a", "b"]) != key_digest(["b", "a"])
     try:

@@ -1,7 +1,7 @@
 """torchrun worker (2 ranks): the collectives each non-model stage of a real step takes, at two batch sizes.
 
-Every collective the step's code starts (and every exchange over the ranks' host channel) is counted by stage; each rank writes its counts to ``rounds<rank>.json``
-in the work folder (argv[1]) for tests/rldispatch/test_step_complexity.py to check.
+Every collective the step's code starts is counted by stage; each rank writes its counts to ``rounds<rank>.json`` in
+the work folder (argv[1]) for tests/rldispatch/test_step_complexity.py to check.
 """
 from __future__ import annotations
 
@@ -35,16 +35,6 @@ def main() -> None:
             return _real(*args, **kwargs)
 
         setattr(dist, name, counted)
-    from rldispatch.host_channel import HostChannel
-
-    real_exchange = HostChannel.exchange
-
-    def exchange(self, *args, **kwargs):  # ranks on one host: the step's frames go over the host channel
-        if stage[0] != "-":
-            counts.setdefault(stage[0], Counter())["host_exchange"] += 1
-        return real_exchange(self, *args, **kwargs)
-
-    HostChannel.exchange = exchange
     barrier = dist.barrier
     work = Path(sys.argv[1])
     out = {}

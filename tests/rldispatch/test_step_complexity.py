@@ -126,11 +126,11 @@ def test_the_collectives_of_each_stage_do_not_grow_with_the_batch(torchrun, tmp_
         small, large = counts["64"], counts["256"]
         assert small == large, (rank, small, large)
         assert "reward" not in small, small  # scoring and its metrics are local; its sync rides on the next one
-        # the infer inputs' fetch: values only (one exchange over the ranks' host channel), no request gather
-        assert small["dispatch"] == {"host_exchange": 1}, small
+        # the infer inputs' fetch: values only (one batch of point-to-point messages), no request gather
+        assert small["dispatch"] == {"batch_isend_irecv": 1}, small
         # the KL reads old log-probs the scoring rank holds here (the bench writes them there, as a recompute
         # would): a planned fetch of held values communicates not at all
         assert "kl" not in small, small
         # the advantage: the log-probs for the KL penalty come in one exchange; where it wrote, every rank knows
         # (each rank's own groups), so no sync follows
-        assert small["advantage"] == {"host_exchange": 1}, small
+        assert small["advantage"] == {"batch_isend_irecv": 1}, small
