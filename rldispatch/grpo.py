@@ -63,6 +63,7 @@ from rldispatch.metrics import (
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, prepare_step_plan
 from rldispatch.rollout import RolloutWorker, run_to_end
+from rldispatch.summary import RunSummary
 from protocol.config import to_plain
 from rldispatch.trace import TraceRecorder
 
@@ -714,14 +715,21 @@ class GRPOTrainer:
         if self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_plain(cfg), indent=2))
+        started = time.perf_counter()
+        self.summary = RunSummary(start_step=self.step)
         with self._where("validate", self.step):
             pending_val = self.validate() if self.step == 0 else {}
+        self.summary.record(self.step, pending_val)
         self.gc.start()
         try:
-            return self._loop(pending_val, bar)
+            code = self._loop(pending_val, bar)
         finally:
             self.gc.stop()
             self.loop.close()
+        if self.ctx.is_main:
+            print(self.summary.text(self.step, cfg.trainer.total_steps, time.perf_counter() - started, self.run_dir,
+                                    self.metrics.path, code), flush=True)
+        return code
 
     def _loop(self, pending_val: dict[str, float], bar: Any) -> int:
         cfg = self.cfg
@@ -734,6 +742,7 @@ class GRPOTrainer:
             if cfg.trainer.val_freq and self.step % cfg.trainer.val_freq == 0 or last:
                 with self._where("validate", self.step):
                     metrics.update(self.validate())
+                self.summary.record(self.step, metrics)
             self.metrics.log(self.step, metrics)
             signum = self._signal_seen()
             if (cfg.trainer.save_freq and self.step % cfg.trainer.save_freq == 0) or last or \

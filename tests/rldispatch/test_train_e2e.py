@@ -43,11 +43,17 @@ def _check_step_records(records: list[dict], steps: int) -> None:
 @pytest.mark.slow
 def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
     run_dir = tmp_path / "run"
-    torchrun(TRAIN, 2, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
-             "trainer.total_steps=3", "debug.inject_rollout_failures=0.3", "trace.enabled=true",
-             "debug.check_invariants=true", "rollout.log_prob_mode=bypass", timeout=400)
+    out = torchrun(TRAIN, 2, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
+                   "trainer.total_steps=3", "debug.inject_rollout_failures=0.3", "trace.enabled=true",
+                   "debug.check_invariants=true", "rollout.log_prob_mode=bypass", timeout=400)
     records = _metrics(run_dir)
     _check_step_records(records, 3)
+    # the run ends with one summary from rank 0: steps, val first -> best -> last, where the outputs are
+    first, last = records[0]["val/score/mean"], records[-1]["val/score/mean"]
+    assert out.count("run finished: 3 step(s) this run, step 3 of 3") == 1, out[-3000:]
+    assert f"val score (val/score/mean): {first:.3f} (step 0) -> best {max(first, last):.3f}" in out, out[-3000:]
+    assert f"-> last {last:.3f} (step 3)" in out and f"metrics:     {run_dir / 'metrics.jsonl'}" in out
+    assert f"checkpoints: {run_dir / 'checkpoints' / 'step_3'}" in out and f"rldispatch plot {run_dir}" in out
     assert sum(r["replay/failed_groups_dropped"] for r in records) > 0, "the injected failures must be dropped"
     assert sum(r["dispatch/padding"] for r in records) > 0, "dropped groups must be replaced by padding samples"
     assert all(r["dataplane/bytes_received/rank0"] > 0 and r["dataplane/bytes_received/rank1"] > 0 for r in records)
