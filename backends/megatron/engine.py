@@ -22,7 +22,7 @@ from backends.megatron.batch import MicroBatch, ShareError, make_micro_batch, sh
 from backends.megatron.convert import ConversionError, expected_project_names, from_megatron_shards, to_megatron_shard
 from backends.megatron.cpu_shim import apply_cpu_shim
 from backends.megatron.logprob import vocab_parallel_logprobs_entropy
-from backends.megatron.model import build_model_chunks, te_available, transformer_config
+from backends.megatron.model import TE_RENAMES, build_model_chunks, te_available, transformer_config
 from backends.optim import StepSnapshot, all_finite, lr_factor
 from dispatch.topology import Topology
 from protocol.algos.losses import entropy_bonus, kl_loss, policy_loss
@@ -30,11 +30,6 @@ from protocol.batch.nested import to_nested
 
 __all__ = ["MegatronEngine", "TopologyMismatch", "parallel_coords", "check_engine_config"]
 
-# local-spec parameter names -> transformer-engine spec names (norms fused into the following linear)
-_TE_RENAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
 _TRAIN_FIELDS = ("old_log_probs", "advantages")
 
 
@@ -263,7 +258,7 @@ class MegatronEngine(Engine):
     def _param_name(self, gpt, name: str) -> str:
         if not self.use_te:
             return name
-        for local, te in _TE_RENAMES.items():
+        for local, te in TE_RENAMES.items():
             if name.endswith(local):
                 return name[: -len(local)] + te
         return name
@@ -541,7 +536,7 @@ def _call_loss(engine: MegatronEngine, counts, mb: MicroBatch, logits: torch.Ten
 def _canonical_names(gpt) -> list[str]:
     names = []
     for n, _ in gpt.named_parameters():
-        for local, te in _TE_RENAMES.items():
+        for local, te in TE_RENAMES.items():
             if n.endswith(te):
                 n = n[: -len(te)] + local
         names.append(n)

@@ -15,7 +15,13 @@ from backends.model.config import ModelConfig
 from backends.model.llama import rope_inv_freq
 
 __all__ = ["MegatronModelError", "check_model_fits", "transformer_config", "layer_spec", "build_model_chunks",
-           "install_rotary", "te_available"]
+           "install_rotary", "te_available", "TE_RENAMES"]
+
+# local-spec parameter names -> transformer-engine spec names (the TE spec fuses each pre-norm into the next linear)
+TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 
 
 class MegatronModelError(ValueError):
