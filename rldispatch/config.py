@@ -11,6 +11,7 @@ loops). Every error is a :class:`ConfigError` (topology and batch-settings error
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -19,9 +20,11 @@ from backends.config import EngineConfig, FSDPConfig, MegatronConfig, OptimConfi
 from backends.model.config import ModelConfig
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
 from dispatch.topology import BackendName, ParallelSection
-from protocol.config import ConfigError, build_dataclass
+from protocol.config import ConfigError, build_dataclass, coerce_field
 
 __all__ = ["RunConfig", "load_config", "ConfigError"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -328,27 +331,52 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
         raise ConfigError(f"cannot read the configuration: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    model_data = data.get("model")
+    checkpoint = None
+    if isinstance(model_data, dict) and model_data.get("hf_path"):
+        command_line = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))).get("model")
+        checkpoint = _checkpoint_architecture(model_data, set(command_line or ()), path)
+        data = {**data, "model": {k: v for k, v in model_data.items() if k not in _ARCHITECTURE_KEYS}}
     cfg = build_dataclass(RunConfig, data)
-    if cfg.model.hf_path:
-        cfg.model = _checkpoint_architecture(cfg.model, set((data.get("model") or {}).keys()))
+    if checkpoint is not None:
+        cfg.model = dataclasses.replace(checkpoint, init_std=cfg.model.init_std)
     from protocol.rollout.tokenizer import resolve_tokenizer
 
     cfg.data.tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)  # recorded in checkpoints
     return validate(cfg)
 
 
-def _checkpoint_architecture(model: ModelConfig, given: set[str]) -> ModelConfig:
-    """With ``model.hf_path`` the checkpoint's config.json defines the architecture; given keys must agree with it."""
+# what a checkpoint's config.json defines (init_std only seeds a random init; hf_path names the checkpoint)
+_ARCHITECTURE_KEYS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) - {"hf_path", "init_std"}
+
+
+def _checkpoint_architecture(model: dict[str, Any], command_line: set[str], path: Path | None) -> ModelConfig:
+    """With ``model.hf_path`` the checkpoint's config.json defines the architecture. An architecture key given on the
+    command line must agree with it; one from the config file yields to it, said in one log line."""
     from backends.model.hf import HFCheckpointError, read_hf_config
 
+    hf_path = coerce_field(ModelConfig, "hf_path", model["hf_path"], "model")
+    given = {f.name: coerce_field(ModelConfig, f.name, model[f.name], "model") for f in dataclasses.fields(ModelConfig)
+             if f.name in _ARCHITECTURE_KEYS and f.name in model}
     try:
-        found = read_hf_config(model.hf_path)
+        found = read_hf_config(hf_path)
     except HFCheckpointError as exc:
         raise ConfigError(str(exc)) from exc
-    clash = sorted(k for k in given - {"hf_path", "init_std"} if getattr(model, k) != getattr(found, k))
+
+    def agrees(key: str, value: Any) -> bool:
+        if key == "head_dim" and value == 0:  # 0 = hidden_size / num_heads, of the checkpoint's sizes
+            return found.head_dim * found.num_heads == found.hidden_size
+        return value == getattr(found, key)
+
+    clash = [k for k in given if k in command_line and not agrees(k, given[k])]
     if clash:
         raise ConfigError(
-            f"model.hf_path={model.hf_path!r}: " + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in clash)
-            + " disagree with its config.json (" + ", ".join(f"{k}={getattr(found, k)!r}" for k in clash)
-            + "); remove these keys, the checkpoint defines the architecture")
+            f"model.hf_path={hf_path!r} defines the architecture, and the command line contradicts its config.json: "
+            + ", ".join(f"model.{k}={given[k]!r} (config.json: {getattr(found, k)!r})" for k in clash)
+            + "; leave these keys out")
+    yielded = [k for k in given if k not in command_line and not agrees(k, given[k])]
+    if yielded:
+        logger.info("model.hf_path=%s defines the architecture: %s's %s yield to its config.json (%s)", hf_path,
+                    path.name if path else "the config", ", ".join(f"model.{k}={given[k]!r}" for k in yielded),
+                    ", ".join(f"{k}={getattr(found, k)!r}" for k in yielded))
     return found
