@@ -196,6 +196,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     the keys to change. (Choices spelled as a ``Literal`` are refused while the sections are built.)"""
     _check_registered(cfg)
     _check_reward(cfg)
+    _check_data_files(cfg.data)
+    _check_device_and_backend(cfg)
     positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
                 "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.micro_batch_size_per_gpu",
                 "actor.max_token_len_per_gpu", "trainer.total_steps"]
@@ -268,6 +270,49 @@ def _check_registered(cfg: RunConfig) -> None:
     loops = known_agent_loops()
     if cfg.rollout.agent_loop not in loops:
         raise ConfigError(f"rollout.agent_loop must be one of {loops}, got {cfg.rollout.agent_loop!r}")
+
+
+def _check_data_files(d: DataConfig) -> None:
+    """The data files exist, or can be generated from ``data.task`` where they are missing (a file named
+    train.parquet / val.parquet in a folder that can be written)."""
+    import os
+
+    from protocol.rollout.tasks import known_tasks
+
+    if d.task not in known_tasks():
+        raise ConfigError(f"data.task={d.task!r} is not a known task (it generates missing data files); known: "
+                          f"{known_tasks()}")
+    for key in ("train_files", "val_files"):
+        files = getattr(d, key)
+        if not files:
+            raise ConfigError(f"data.{key} is empty: give at least one parquet / json / jsonl file")
+        for f in files:
+            path = Path(f)
+            if path.exists():
+                if not path.is_file():
+                    raise ConfigError(f"data.{key}: {f} is not a file")
+                continue
+            if path.name not in ("train.parquet", "val.parquet"):
+                raise ConfigError(f"data.{key}: {f} does not exist (a missing file is generated from data.task only "
+                                  f"when it is named train.parquet or val.parquet)")
+            folder = path.absolute().parent
+            while not folder.exists():
+                folder = folder.parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+                raise ConfigError(f"data.{key}: {f} does not exist, and data.task={d.task!r} cannot generate it: "
+                                  f"{folder} is not a folder this process can write")
+
+
+def _check_device_and_backend(cfg: RunConfig) -> None:
+    """The device asked for is there, and the engine can run these settings (checked again when it is built)."""
+    import torch
+
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    if cfg.actor.backend == "megatron":
+        from backends.megatron.engine import check_engine_config
+
+        check_engine_config(cfg.engine_config())
 
 
 def _check_reward(cfg: RunConfig) -> None:

@@ -264,8 +264,10 @@ def test_active_parallel_section_builds_the_topology():
 def test_plan_command_reports_every_config_error_with_exit_2(capsys):
     from rldispatch.commands.plan import main
 
+    assert main(["--config", REPO_CONFIG, "--world", "3", "actor.backend=megatron", "actor.megatron.tp=2"]) == 2
+    assert "tp*pp*cp = 2*1*1 = 2" in capsys.readouterr().err  # a TopologyError
     assert main(["--config", REPO_CONFIG, "--world", "8", "actor.backend=megatron", "actor.megatron.tp=3"]) == 2
-    assert "tp*pp*cp = 3*1*1 = 3" in capsys.readouterr().err  # a TopologyError
+    assert "actor.megatron.tp=3 does not divide model.num_heads=4" in capsys.readouterr().err  # the model's fit
     assert main(["--config", REPO_CONFIG, "--world", "3"]) == 2
     assert "not divisible by the logical DP size 3" in capsys.readouterr().err  # a DispatchConfigError
     assert main(["--config", REPO_CONFIG, "--world", "2", "actor.optim.name=adam"]) == 2
