@@ -95,6 +95,8 @@ class PolicyLossConfig:
             raise EngineConfigError(f"actor.loss.clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
         if not self.clip_ratio_high >= 0.0:
             raise EngineConfigError(f"actor.loss.clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
+        if not self.kl_loss_coef >= 0.0:
+            raise EngineConfigError(f"actor.loss.kl_loss_coef must be >= 0, got {self.kl_loss_coef}")
 
 
 @dataclass

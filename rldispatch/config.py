@@ -53,6 +53,10 @@ class RolloutConfig:
     max_turns: int = 4
     log_prob_mode: Literal["recompute", "bypass"] = "recompute"  # recompute (engine) | bypass (the rollout's own)
 
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ConfigError(f"rollout.max_turns must be a positive integer, got {self.max_turns}")
+
 
 @dataclass
 class KLControlConfig:
@@ -60,6 +64,13 @@ class KLControlConfig:
     kl_coef: float = 0.001
     target_kl: float = 0.1
     horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kl_coef < float("inf"):
+            raise ConfigError(f"algorithm.kl_ctrl.kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.type == "adaptive" and not (self.target_kl > 0 and self.horizon > 0):
+            key, value = ("target_kl", self.target_kl) if not self.target_kl > 0 else ("horizon", self.horizon)
+            raise ConfigError(f"algorithm.kl_ctrl.{key} must be > 0 for the adaptive controller, got {value}")
 
 
 @dataclass
@@ -114,6 +125,11 @@ class ReplayConfig:
     parameter_sync_step: int = 1
     sample_timeout_s: float = 600.0
 
+    def __post_init__(self) -> None:
+        for key in ("max_off_policy_threshold", "parameter_sync_step", "sample_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"replay.{key} must be > 0, got {getattr(self, key)}")
+
 
 @dataclass
 class TrainerSection:
@@ -144,6 +160,11 @@ class TraceConfig:
 class DebugConfig:
     check_invariants: bool = False  # run protocol.invariants after every stage (slow; for debugging)
     inject_rollout_failures: float = 0.0  # fraction of prompt groups whose session 0 raises (tests the failure policy)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.inject_rollout_failures <= 1.0:
+            raise ConfigError(f"debug.inject_rollout_failures is a fraction of the prompt groups, in [0, 1]; got "
+                              f"{self.inject_rollout_failures}")
 
 
 @dataclass
@@ -211,6 +232,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key in ["trainer.save_freq", "trainer.val_freq"]:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0 (0 = only at the end), got {_get(cfg, key)}")
+    if cfg.trainer.seed < 0:
+        raise ConfigError(f"trainer.seed must be an integer >= 0, got {cfg.trainer.seed}")
+    if cfg.actor.balance.hidden_size is not None and cfg.actor.balance.hidden_size <= 0:
+        raise ConfigError(f"actor.balance.hidden_size must be a positive integer (or null: model.hidden_size), got "
+                          f"{cfg.actor.balance.hidden_size}")
     if cfg.trainer.gc_interval < 0:
         raise ConfigError(f"trainer.gc_interval must be >= 0 steps (0 = Python's automatic garbage collection), "
                           f"got {cfg.trainer.gc_interval}")
