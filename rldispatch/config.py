@@ -19,10 +19,10 @@ from typing import Any, Literal, Sequence
 from backends.config import EngineConfig, FSDPConfig, MegatronConfig, OptimConfig, PolicyLossConfig
 from backends.model.config import ModelConfig
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
-from dispatch.topology import BackendName, ParallelSection
+from dispatch.topology import BackendName, ParallelSection, Topology
 from protocol.config import ConfigError, build_dataclass, coerce_field
 
-__all__ = ["RunConfig", "load_config", "ConfigError"]
+__all__ = ["RunConfig", "load_config", "check_environment", "ConfigError"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,9 +217,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     the keys to change. (Choices spelled as a ``Literal`` are refused while the sections are built.)"""
     _check_registered(cfg)
     _check_reward(cfg)
-    _check_data_files(cfg.data)
-    _check_device_and_backend(cfg)
-    positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
+    _check_data_section(cfg.data)
+    if cfg.actor.backend == "megatron":
+        from backends.megatron.engine import check_engine_config
+
+        check_engine_config(cfg.engine_config())
+    positive = ["data.train_batch_size", "data.train_size", "data.val_size", "data.max_prompt_length",
+                "data.max_response_length", "rollout.n",
                 "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.micro_batch_size_per_gpu",
                 "actor.max_token_len_per_gpu", "trainer.total_steps"]
     for key in positive:
@@ -298,21 +302,35 @@ def _check_registered(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.agent_loop must be one of {loops}, got {cfg.rollout.agent_loop!r}")
 
 
-def _check_data_files(d: DataConfig) -> None:
-    """The data files exist, or can be generated from ``data.task`` where they are missing (a file named
-    train.parquet / val.parquet in a folder that can be written)."""
-    import os
-
+def _check_data_section(d: DataConfig) -> None:
     from protocol.rollout.tasks import known_tasks
 
     if d.task not in known_tasks():
         raise ConfigError(f"data.task={d.task!r} is not a known task (it generates missing data files); known: "
                           f"{known_tasks()}")
     for key in ("train_files", "val_files"):
-        files = getattr(d, key)
-        if not files:
+        if not getattr(d, key):
             raise ConfigError(f"data.{key} is empty: give at least one parquet / json / jsonl file")
-        for f in files:
+
+
+def check_environment(cfg: RunConfig) -> None:
+    """What a run needs of this machine, checked by every rank before it joins the others: the device asked for,
+    and data files that exist or can be generated from ``data.task`` where they are missing (a file named
+    train.parquet / val.parquet in a folder this process can write)."""
+    import os
+
+    import torch
+
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, else a world of one
+    try:
+        Topology.from_config(cfg.actor.parallel, world)
+    except ConfigError as exc:
+        raise ConfigError(f"actor.{cfg.actor.backend} on {world} rank(s): {exc}") from exc
+    d = cfg.data
+    for key in ("train_files", "val_files"):
+        for f in getattr(d, key):
             path = Path(f)
             if path.exists():
                 if not path.is_file():
@@ -327,18 +345,6 @@ def _check_data_files(d: DataConfig) -> None:
             if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
                 raise ConfigError(f"data.{key}: {f} does not exist, and data.task={d.task!r} cannot generate it: "
                                   f"{folder} is not a folder this process can write")
-
-
-def _check_device_and_backend(cfg: RunConfig) -> None:
-    """The device asked for is there, and the engine can run these settings (checked again when it is built)."""
-    import torch
-
-    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    if cfg.actor.backend == "megatron":
-        from backends.megatron.engine import check_engine_config
-
-        check_engine_config(cfg.engine_config())
 
 
 def _check_reward(cfg: RunConfig) -> None:

@@ -24,10 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from rldispatch.config import ConfigError, load_config
+    from rldispatch.config import ConfigError, check_environment, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_environment(cfg)  # every rank alike, before any of them joins the process group
     except ConfigError as exc:
         return config_error(exc)
 

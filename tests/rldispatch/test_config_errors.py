@@ -1,5 +1,6 @@
-"""Start-up errors a new user meets: each is one line naming the key, raised while the config loads (every rank alike,
-before any collective), and the train command turns it into ``config error: ...`` with exit status 2."""
+"""Start-up errors a new user meets: each is one line naming the key, raised while the config loads or, for what
+the machine lacks, right after (every rank alike, before any collective); the train command turns it into
+``config error: ...`` with exit status 2."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rldispatch.config import ConfigError, load_config
+from rldispatch.config import ConfigError, check_environment, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,7 +75,7 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("overrides, key, text", BAD, ids=[" ".join(b[0]) for b in BAD])
 def test_a_bad_config_is_one_line_naming_its_key_at_load(overrides, key, text):
     with pytest.raises(ConfigError) as info:
-        load_config("grpo_tiny", overrides)
+        check_environment(load_config("grpo_tiny", overrides))  # what the train command does first
     message = str(info.value)
     assert key in message and text in message and "\n" not in message, message
 
@@ -84,14 +85,33 @@ def test_a_missing_data_file_where_nothing_can_be_written_names_the_key_and_the_
     blocker.write_text("")
     path = blocker / "data" / "train.parquet"
     with pytest.raises(ConfigError) as info:
-        load_config("grpo_tiny", [f"data.train_files=[{path}]"])
+        check_environment(load_config("grpo_tiny", [f"data.train_files=[{path}]"]))
     assert str(info.value) == (f"data.train_files: {path} does not exist, and data.task='repeat' cannot generate it: "
                                f"{blocker} is not a folder this process can write")
     if os.getuid() != 0:  # root writes into a read-only folder all the same
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o555)
         with pytest.raises(ConfigError, match=f"data.val_files: {ro}/sub/val.parquet does not exist"):
-            load_config("grpo_tiny", [f"data.val_files=[{ro}/sub/val.parquet]"])
+            check_environment(load_config("grpo_tiny", [f"data.val_files=[{ro}/sub/val.parquet]"]))
+
+
+def test_the_parallel_degrees_are_checked_against_the_launched_world(monkeypatch):
+    cfg = load_config("grpo_tiny", ["actor.fsdp.ulysses_sp=3"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^actor.fsdp on 2 rank\(s\): world_size \(2\) is not divisible by "
+                                          r"ulysses_sp \(3\)"):
+        check_environment(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    check_environment(cfg)
+
+
+def test_what_the_machine_lacks_is_checked_at_start_up_not_by_loading():
+    """``rldispatch plan`` loads configs for other machines: a data file or a GPU missing here is no error to it."""
+    overrides = ["data.train_files=[/nonexistent/rows.parquet]"] + ([] if torch.cuda.is_available() else
+                                                                    ["trainer.device=cuda"])
+    cfg = load_config("grpo_tiny", overrides)
+    with pytest.raises(ConfigError, match="trainer.device=cuda|data.train_files: /nonexistent/rows.parquet"):
+        check_environment(cfg)
 
 
 def test_the_train_command_prints_one_config_error_line_and_exits_2(capsys):
