@@ -315,8 +315,9 @@ def _check_data_section(d: DataConfig) -> None:
 
 def check_environment(cfg: RunConfig) -> None:
     """What a run needs of this machine, checked by every rank before it joins the others: the device asked for,
-    and data files that exist or can be generated from ``data.task`` where they are missing (a file named
-    train.parquet / val.parquet in a folder this process can write)."""
+    parallel degrees that divide the launched world (``WORLD_SIZE``), and data files that exist or can be generated
+    from ``data.task`` where they are missing (a file named train.parquet / val.parquet in a folder this process can
+    write)."""
     import os
 
     import torch
@@ -332,9 +333,7 @@ def check_environment(cfg: RunConfig) -> None:
     for key in ("train_files", "val_files"):
         for f in getattr(d, key):
             path = Path(f)
-            if path.exists():
-                if not path.is_file():
-                    raise ConfigError(f"data.{key}: {f} is not a file")
+            if path.exists():  # a file, or a datasets save_to_disk folder: read (and checked) by the dataset
                 continue
             if path.name not in ("train.parquet", "val.parquet"):
                 raise ConfigError(f"data.{key}: {f} does not exist (a missing file is generated from data.task only "
