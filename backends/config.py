@@ -91,6 +91,12 @@ class PolicyLossConfig:
             raise EngineConfigError(f"actor.loss.horizon must be a positive integer, got {self.horizon}")
         if self.clip_ratio_c <= 1.0:
             raise EngineConfigError(f"actor.loss.clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
+        if not 0.0 <= self.clip_ratio_low < 1.0:  # the ratio is clipped below at 1 - clip_ratio_low > 0
+            raise EngineConfigError(f"actor.loss.clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
+        if not self.clip_ratio_high >= 0.0:
+            raise EngineConfigError(f"actor.loss.clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
+        if not self.kl_loss_coef >= 0.0:
+            raise EngineConfigError(f"actor.loss.kl_loss_coef must be >= 0, got {self.kl_loss_coef}")
 
 
 @dataclass

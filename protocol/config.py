@@ -29,7 +29,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ConfigError", "build_dataclass", "to_plain", "literal_choices", "check_choices"]
+__all__ = ["ConfigError", "build_dataclass", "coerce_field", "to_plain", "literal_choices", "check_choices"]
 
 
 class ConfigError(ValueError):
@@ -125,6 +125,16 @@ def build_dataclass(cls: type, data: Mapping[str, Any] | None, prefix: str = "")
         if isinstance(exc, ConfigError) and (not prefix or prefix in str(exc)):
             raise  # the section's own check already names the key
         raise ConfigError(f"{prefix or cls.__name__}: {exc}") from exc
+
+
+def coerce_field(cls: type, name: str, value: Any, prefix: str = "") -> Any:
+    """``value`` as field ``name`` of dataclass ``cls`` holds it, checked as :func:`build_dataclass` checks it, but
+    alone (the section's own cross-field checks do not run); an unknown name is refused like an unknown key."""
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    if name not in fields:
+        raise ConfigError(f"unknown config key {_join(prefix, name)}; valid keys under {prefix or 'the top level'}: "
+                          f"{', '.join(sorted(fields))}")
+    return _coerce(value, typing.get_type_hints(cls)[name], _join(prefix, name))
 
 
 @functools.cache

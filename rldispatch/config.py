@@ -11,6 +11,7 @@ loops). Every error is a :class:`ConfigError` (topology and batch-settings error
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -18,10 +19,12 @@ from typing import Any, Literal, Sequence
 from backends.config import EngineConfig, FSDPConfig, MegatronConfig, OptimConfig, PolicyLossConfig
 from backends.model.config import ModelConfig
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
-from dispatch.topology import BackendName, ParallelSection
-from protocol.config import ConfigError, build_dataclass
+from dispatch.topology import BackendName, ParallelSection, Topology
+from protocol.config import ConfigError, build_dataclass, coerce_field
 
-__all__ = ["RunConfig", "load_config", "ConfigError"]
+__all__ = ["RunConfig", "load_config", "check_environment", "ConfigError"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +53,10 @@ class RolloutConfig:
     max_turns: int = 4
     log_prob_mode: Literal["recompute", "bypass"] = "recompute"  # recompute (engine) | bypass (the rollout's own)
 
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ConfigError(f"rollout.max_turns must be a positive integer, got {self.max_turns}")
+
 
 @dataclass
 class KLControlConfig:
@@ -57,6 +64,13 @@ class KLControlConfig:
     kl_coef: float = 0.001
     target_kl: float = 0.1
     horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kl_coef < float("inf"):
+            raise ConfigError(f"algorithm.kl_ctrl.kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.type == "adaptive" and not (self.target_kl > 0 and self.horizon > 0):
+            key, value = ("target_kl", self.target_kl) if not self.target_kl > 0 else ("horizon", self.horizon)
+            raise ConfigError(f"algorithm.kl_ctrl.{key} must be > 0 for the adaptive controller, got {value}")
 
 
 @dataclass
@@ -111,6 +125,11 @@ class ReplayConfig:
     parameter_sync_step: int = 1
     sample_timeout_s: float = 600.0
 
+    def __post_init__(self) -> None:
+        for key in ("max_off_policy_threshold", "parameter_sync_step", "sample_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"replay.{key} must be > 0, got {getattr(self, key)}")
+
 
 @dataclass
 class TrainerSection:
@@ -140,6 +159,11 @@ class TraceConfig:
 class DebugConfig:
     check_invariants: bool = False  # run protocol.invariants after every stage (slow; for debugging)
     inject_rollout_failures: float = 0.0  # fraction of prompt groups whose session 0 raises (tests the failure policy)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.inject_rollout_failures <= 1.0:
+            raise ConfigError(f"debug.inject_rollout_failures is a fraction of the prompt groups, in [0, 1]; got "
+                              f"{self.inject_rollout_failures}")
 
 
 @dataclass
@@ -192,7 +216,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     the keys to change. (Choices spelled as a ``Literal`` are refused while the sections are built.)"""
     _check_registered(cfg)
     _check_reward(cfg)
-    positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
+    _check_data_section(cfg.data)
+    if cfg.actor.backend == "megatron":
+        from backends.megatron.engine import check_engine_config
+
+        check_engine_config(cfg.engine_config())
+    positive = ["data.train_batch_size", "data.train_size", "data.val_size", "data.max_prompt_length",
+                "data.max_response_length", "rollout.n",
                 "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.micro_batch_size_per_gpu",
                 "actor.max_token_len_per_gpu", "trainer.total_steps"]
     for key in positive:
@@ -205,6 +235,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key in ["trainer.save_freq", "trainer.val_freq"]:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0 (0 = only at the end), got {_get(cfg, key)}")
+    if cfg.trainer.seed < 0:
+        raise ConfigError(f"trainer.seed must be an integer >= 0, got {cfg.trainer.seed}")
+    if cfg.actor.balance.hidden_size is not None and cfg.actor.balance.hidden_size <= 0:
+        raise ConfigError(f"actor.balance.hidden_size must be a positive integer (or null: model.hidden_size), got "
+                          f"{cfg.actor.balance.hidden_size}")
     if cfg.trainer.gc_interval < 0:
         raise ConfigError(f"trainer.gc_interval must be >= 0 steps (0 = Python's automatic garbage collection), "
                           f"got {cfg.trainer.gc_interval}")
@@ -264,6 +299,50 @@ def _check_registered(cfg: RunConfig) -> None:
     loops = known_agent_loops()
     if cfg.rollout.agent_loop not in loops:
         raise ConfigError(f"rollout.agent_loop must be one of {loops}, got {cfg.rollout.agent_loop!r}")
+
+
+def _check_data_section(d: DataConfig) -> None:
+    from protocol.rollout.tasks import known_tasks
+
+    if d.task not in known_tasks():
+        raise ConfigError(f"data.task={d.task!r} is not a known task (it generates missing data files); known: "
+                          f"{known_tasks()}")
+    for key in ("train_files", "val_files"):
+        if not getattr(d, key):
+            raise ConfigError(f"data.{key} is empty: give at least one parquet / json / jsonl file")
+
+
+def check_environment(cfg: RunConfig) -> None:
+    """What a run needs of this machine, checked by every rank before it joins the others: the device asked for,
+    parallel degrees that divide the launched world (``WORLD_SIZE``), and data files that exist or can be generated
+    from ``data.task`` where they are missing (a file named train.parquet / val.parquet in a folder this process can
+    write)."""
+    import os
+
+    import torch
+
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, else a world of one
+    try:
+        Topology.from_config(cfg.actor.parallel, world)
+    except ConfigError as exc:
+        raise ConfigError(f"actor.{cfg.actor.backend} on {world} rank(s): {exc}") from exc
+    d = cfg.data
+    for key in ("train_files", "val_files"):
+        for f in getattr(d, key):
+            path = Path(f)
+            if path.exists():  # a file, or a datasets save_to_disk folder: read (and checked) by the dataset
+                continue
+            if path.name not in ("train.parquet", "val.parquet"):
+                raise ConfigError(f"data.{key}: {f} does not exist (a missing file is generated from data.task only "
+                                  f"when it is named train.parquet or val.parquet)")
+            folder = path.absolute().parent
+            while not folder.exists():
+                folder = folder.parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+                raise ConfigError(f"data.{key}: {f} does not exist, and data.task={d.task!r} cannot generate it: "
+                                  f"{folder} is not a folder this process can write")
 
 
 def _check_reward(cfg: RunConfig) -> None:
@@ -327,27 +406,52 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
         raise ConfigError(f"cannot read the configuration: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    model_data = data.get("model")
+    checkpoint = None
+    if isinstance(model_data, dict) and model_data.get("hf_path"):
+        command_line = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))).get("model")
+        checkpoint = _checkpoint_architecture(model_data, set(command_line or ()), path)
+        data = {**data, "model": {k: v for k, v in model_data.items() if k not in _ARCHITECTURE_KEYS}}
     cfg = build_dataclass(RunConfig, data)
-    if cfg.model.hf_path:
-        cfg.model = _checkpoint_architecture(cfg.model, set((data.get("model") or {}).keys()))
+    if checkpoint is not None:
+        cfg.model = dataclasses.replace(checkpoint, init_std=cfg.model.init_std)
     from protocol.rollout.tokenizer import resolve_tokenizer
 
     cfg.data.tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)  # recorded in checkpoints
     return validate(cfg)
 
 
-def _checkpoint_architecture(model: ModelConfig, given: set[str]) -> ModelConfig:
-    """With ``model.hf_path`` the checkpoint's config.json defines the architecture; given keys must agree with it."""
+# what a checkpoint's config.json defines (init_std only seeds a random init; hf_path names the checkpoint)
+_ARCHITECTURE_KEYS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) - {"hf_path", "init_std"}
+
+
+def _checkpoint_architecture(model: dict[str, Any], command_line: set[str], path: Path | None) -> ModelConfig:
+    """With ``model.hf_path`` the checkpoint's config.json defines the architecture. An architecture key given on the
+    command line must agree with it; one from the config file yields to it, said in one log line."""
     from backends.model.hf import HFCheckpointError, read_hf_config
 
+    hf_path = coerce_field(ModelConfig, "hf_path", model["hf_path"], "model")
+    given = {f.name: coerce_field(ModelConfig, f.name, model[f.name], "model") for f in dataclasses.fields(ModelConfig)
+             if f.name in _ARCHITECTURE_KEYS and f.name in model}
     try:
-        found = read_hf_config(model.hf_path)
+        found = read_hf_config(hf_path)
     except HFCheckpointError as exc:
         raise ConfigError(str(exc)) from exc
-    clash = sorted(k for k in given - {"hf_path", "init_std"} if getattr(model, k) != getattr(found, k))
+
+    def agrees(key: str, value: Any) -> bool:
+        if key == "head_dim" and value == 0:  # 0 = hidden_size / num_heads, of the checkpoint's sizes
+            return found.head_dim * found.num_heads == found.hidden_size
+        return value == getattr(found, key)
+
+    clash = [k for k in given if k in command_line and not agrees(k, given[k])]
     if clash:
         raise ConfigError(
-            f"model.hf_path={model.hf_path!r}: " + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in clash)
-            + " disagree with its config.json (" + ", ".join(f"{k}={getattr(found, k)!r}" for k in clash)
-            + "); remove these keys, the checkpoint defines the architecture")
+            f"model.hf_path={hf_path!r} defines the architecture, and the command line contradicts its config.json: "
+            + ", ".join(f"model.{k}={given[k]!r} (config.json: {getattr(found, k)!r})" for k in clash)
+            + "; leave these keys out")
+    yielded = [k for k in given if k not in command_line and not agrees(k, given[k])]
+    if yielded:
+        logger.info("model.hf_path=%s defines the architecture: %s's %s yield to its config.json (%s)", hf_path,
+                    path.name if path else "the config", ", ".join(f"model.{k}={given[k]!r}" for k in yielded),
+                    ", ".join(f"{k}={getattr(found, k)!r}" for k in yielded))
     return found

@@ -36,15 +36,15 @@ from backends.comm import allreduce_counts
 from dispatch import Topology
 from protocol.algos.advantage import compute_advantage, get_advantage_fn, session_inputs_from_keys
 from protocol.rollout.agent_loop import build_agent_loop, builtin_tools, run_groups
-from protocol.rollout.dataset import RLHFDataset, ground_truth_of
+from protocol.rollout.dataset import DatasetError, RLHFDataset, ground_truth_of
 from protocol.invariants import assert_invariants
 from protocol.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from protocol.store.meta import KVBatchMeta
 from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged_many, to_nested
 from protocol.store.replay_buffer import ReplayBuffer, ReplayBufferError
 import protocol.rollout.tasks  # noqa: F401  (registers the task scorers by data_source)
-from protocol.algos.reward import (RewardInput, RewardResult, build_reward_manager, compute_rm_scores,
-                                   needs_ground_truth, numeric_extras)
+from protocol.algos.reward import (RewardError, RewardInput, RewardResult, build_reward_manager,
+                                   compute_rm_scores, needs_ground_truth, numeric_extras)
 from protocol.store import LocalStore
 from protocol.store.batching import batch_of, jagged_rows
 from protocol.store.keys import uid_of
@@ -228,10 +228,10 @@ class GRPOTrainer:
         # every row's data_source and ground truth are checked against the scorers before step 0 (a custom reward
         # function decides for itself which rows it can score)
         check = None if cfg.custom_reward_function.path else needs_ground_truth
-        self.train_set = RLHFDataset(d.train_files, self.tokenizer, d.max_prompt_length, prompt_key=d.prompt_key,
-                                     filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check)
-        self.val_set = RLHFDataset(d.val_files, self.tokenizer, d.max_prompt_length, prompt_key=d.prompt_key,
-                                   filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check)
+        self.train_set, self.val_set = (self._dataset(key, check) for key in ("train_files", "val_files"))
+        if len(self.train_set) < d.train_batch_size:
+            raise ConfigError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(self.train_set)} usable "
+                              f"rows of data.train_files {d.train_files}")
 
         engine_cls = get_engine_class(cfg.actor.backend)
         self.engine = engine_cls(cfg.engine_config(), self.topology)
@@ -270,22 +270,36 @@ class GRPOTrainer:
         self.rollout.load_weights(self.engine.get_weights())
 
     # ------------------------------------------------------------------------------------------------ setup
+    def _dataset(self, key: str, check) -> RLHFDataset:
+        """The rows of ``data.<key>``; a file, row or column that cannot be used is a config error naming the key."""
+        d = self.cfg.data
+        try:
+            return RLHFDataset(getattr(d, key), self.tokenizer, d.max_prompt_length, prompt_key=d.prompt_key,
+                               filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check)
+        except (DatasetError, RewardError) as exc:  # every rank reads the same files: all stop here alike
+            raise ConfigError(f"data.{key}: {exc}") from exc
+
     def _ensure_data(self) -> None:
         """Generate the configured task's parquet files on first use (rank 0), so the quick start needs no download."""
         d = self.cfg.data
         missing = [f for f in [*d.train_files, *d.val_files] if not Path(f).exists()]
+        failed = ""
         if missing and self.ctx.is_main:
             from protocol.rollout.tasks.data import write_task_data
 
             out_dirs = {str(Path(f).parent) for f in missing}
-            for out in out_dirs:
-                logger.info("generating task %r data into %s", d.task, out)
-                write_task_data(out, d.task, train=d.train_size, val=d.val_size, seed=self.cfg.trainer.seed)
+            try:
+                for out in out_dirs:
+                    logger.info("generating task %r data into %s", d.task, out)
+                    write_task_data(out, d.task, train=d.train_size, val=d.val_size, seed=self.cfg.trainer.seed)
+            except (OSError, ValueError) as exc:  # reach the barrier all the same: every rank then stops below
+                failed = f" ({type(exc).__name__}: {exc})"
         dist.barrier()
-        still = [f for f in [*d.train_files, *d.val_files] if not Path(f).exists()]
-        if still:
-            raise FileNotFoundError(f"data files not found and not generated: {still}; check data.train_files / "
-                                    f"data.val_files (generated files are named train.parquet and val.parquet)")
+        for key in ("train_files", "val_files"):
+            still = [f for f in getattr(d, key) if not Path(f).exists()]
+            if still:
+                raise ConfigError(f"data.{key}: {still} not found, and data.task={d.task!r} could not generate "
+                                  f"them{failed}")
 
     def _checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step}"

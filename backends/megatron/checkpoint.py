@@ -159,7 +159,7 @@ def read_model_weights(path: str, cfg) -> dict[str, torch.Tensor]:
     import warnings
 
     from backends.megatron.convert import from_megatron_shards
-    from backends.megatron.engine import _TE_RENAMES
+    from backends.megatron.model import TE_RENAMES
 
     if not os.path.isfile(os.path.join(path, _STATE_FILE)):
         raise CheckpointError(f"{path!r} is not a megatron engine checkpoint: {_STATE_FILE} is missing")
@@ -171,7 +171,7 @@ def read_model_weights(path: str, cfg) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)
-    canonical = {te: local for local, te in _TE_RENAMES.items()}  # TE specs fuse the pre-norms into the linears
+    canonical = {te: local for local, te in TE_RENAMES.items()}  # TE specs fuse the pre-norms into the linears
     flat: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         if not key.startswith(_LAYERS):

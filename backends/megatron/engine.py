@@ -16,13 +16,13 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from backends.base import Engine, Share, register_engine
-from backends.config import EngineConfig
+from backends.config import EngineConfig, EngineConfigError
 from backends.megatron import checkpoint as ckpt
 from backends.megatron.batch import MicroBatch, ShareError, make_micro_batch, share_lengths
 from backends.megatron.convert import ConversionError, expected_project_names, from_megatron_shards, to_megatron_shard
 from backends.megatron.cpu_shim import apply_cpu_shim
 from backends.megatron.logprob import vocab_parallel_logprobs_entropy
-from backends.megatron.model import build_model_chunks, te_available, transformer_config
+from backends.megatron.model import TE_RENAMES, build_model_chunks, te_available, transformer_config
 from backends.optim import StepSnapshot, all_finite, lr_factor
 from dispatch.topology import Topology
 from protocol.algos.losses import entropy_bonus, kl_loss, policy_loss
@@ -30,11 +30,6 @@ from protocol.batch.nested import to_nested
 
 __all__ = ["MegatronEngine", "TopologyMismatch", "parallel_coords", "check_engine_config"]
 
-# local-spec parameter names -> transformer-engine spec names (norms fused into the following linear)
-_TE_RENAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
 _TRAIN_FIELDS = ("old_log_probs", "advantages")
 
 
@@ -56,26 +51,28 @@ def parallel_coords() -> dict[str, int]:
 
 
 def check_engine_config(config: EngineConfig) -> None:
-    """Refuse configurations the megatron engine cannot run, before any parallel state is created."""
+    """Refuse configurations the megatron engine cannot run, before any parallel state is created (the run checks
+    them when it loads its config, so every rank stops there with the same one-line message)."""
     from backends.megatron.model import check_model_fits
 
     par, opt = config.megatron, config.optim
-    check_model_fits(config.model, par)
-    if par.use_distributed_optimizer and opt.name != "adamw":
-        raise ValueError(f"megatron.use_distributed_optimizer = true needs optim.name = 'adamw' (megatron-core's "
-                         f"distributed optimizer supports Adam only), got optim.name = {opt.name!r}; set "
-                         "megatron.use_distributed_optimizer = false to use SGD")
-    if par.dynamic_cp:
-        raise ValueError("megatron.dynamic_cp = true is not supported by the megatron engine; set it to false")
-    if par.cp > 1:
-        raise ValueError(f"megatron.cp = {par.cp}: context parallel is not implemented by this engine yet (it needs "
-                         "per-rank THD sequence partitioning on GPU); set megatron.cp = 1")
-    if par.ep != 1 or par.etp != 1:
-        raise ValueError(f"megatron.ep / megatron.etp must be 1 for the dense decoder, got ep = {par.ep}, "
-                         f"etp = {par.etp}")
     for key in ("tp", "pp", "vpp", "cp"):
         if int(getattr(par, key)) < 1:
-            raise ValueError(f"megatron.{key} must be >= 1, got {getattr(par, key)}")
+            raise EngineConfigError(f"actor.megatron.{key} must be >= 1, got {getattr(par, key)}")
+    if par.dynamic_cp:
+        raise EngineConfigError("actor.megatron.dynamic_cp=true is not supported by the megatron engine; set it to "
+                                "false")
+    if par.cp > 1:
+        raise EngineConfigError(f"actor.megatron.cp={par.cp}: context parallel is not implemented by this engine yet "
+                                f"(it needs per-rank THD sequence partitioning on GPU); set actor.megatron.cp=1")
+    if par.ep != 1 or par.etp != 1:
+        raise EngineConfigError(f"actor.megatron.ep / actor.megatron.etp must be 1 for the dense decoder, got "
+                                f"ep={par.ep}, etp={par.etp}")
+    if par.use_distributed_optimizer and opt.name != "adamw":
+        raise EngineConfigError(f"actor.megatron.use_distributed_optimizer=true needs actor.optim.name='adamw' "
+                                f"(megatron-core's distributed optimizer supports Adam only), got "
+                                f"{opt.name!r}; set actor.megatron.use_distributed_optimizer=false to use SGD")
+    check_model_fits(config.model, par)
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -263,7 +260,7 @@ class MegatronEngine(Engine):
     def _param_name(self, gpt, name: str) -> str:
         if not self.use_te:
             return name
-        for local, te in _TE_RENAMES.items():
+        for local, te in TE_RENAMES.items():
             if name.endswith(local):
                 return name[: -len(local)] + te
         return name
@@ -541,7 +538,7 @@ def _call_loss(engine: MegatronEngine, counts, mb: MicroBatch, logits: torch.Ten
 def _canonical_names(gpt) -> list[str]:
     names = []
     for n, _ in gpt.named_parameters():
-        for local, te in _TE_RENAMES.items():
+        for local, te in TE_RENAMES.items():
             if n.endswith(te):
                 n = n[: -len(te)] + local
         names.append(n)

@@ -13,12 +13,19 @@ import torch.nn.functional as F
 from backends.config import MegatronConfig
 from backends.model.config import ModelConfig
 from backends.model.llama import rope_inv_freq
+from protocol.config import ConfigError
 
 __all__ = ["MegatronModelError", "check_model_fits", "transformer_config", "layer_spec", "build_model_chunks",
-           "install_rotary", "te_available"]
+           "install_rotary", "te_available", "TE_RENAMES"]
+
+# local-spec parameter names -> transformer-engine spec names (the TE spec fuses each pre-norm into the next linear)
+TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 
 
-class MegatronModelError(ValueError):
+class MegatronModelError(ConfigError):
     """The model and the Megatron parallel degrees do not fit together; the message names the keys."""
 
 
@@ -36,27 +43,23 @@ def te_available() -> bool:
 def check_model_fits(model: ModelConfig, par: MegatronConfig) -> None:
     """Raise :class:`MegatronModelError` when heads, kv heads, vocabulary or layers do not split over TP / PP / VPP."""
     tp, pp, vpp = par.tp, par.pp, par.vpp
-    if model.num_heads % tp:
-        raise MegatronModelError(f"model.num_heads ({model.num_heads}) must be divisible by megatron.tp ({tp})")
-    if model.num_kv_heads % tp:
-        raise MegatronModelError(
-            f"model.num_kv_heads ({model.num_kv_heads}) must be divisible by megatron.tp ({tp}); "
-            "replicated kv heads are not supported")
-    if model.vocab_size % tp:
-        raise MegatronModelError(f"model.vocab_size ({model.vocab_size}) must be divisible by megatron.tp ({tp})")
-    if model.intermediate_size % tp:
-        raise MegatronModelError(
-            f"model.intermediate_size ({model.intermediate_size}) must be divisible by megatron.tp ({tp})")
+    for key in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
+        if getattr(model, key) % tp:
+            why = "; replicated kv heads are not supported" if key == "num_kv_heads" else ""
+            raise MegatronModelError(f"actor.megatron.tp={tp} does not divide model.{key}={getattr(model, key)}: "
+                                     f"tensor parallelism splits it evenly over the TP ranks{why}")
+    if vpp > 1 and pp < 2:
+        raise MegatronModelError(f"actor.megatron.vpp={vpp} needs actor.megatron.pp >= 2, got pp={pp}")
     if model.num_layers % (pp * vpp):
         raise MegatronModelError(
-            f"model.num_layers ({model.num_layers}) must be divisible by megatron.pp x megatron.vpp "
-            f"({pp} x {vpp} = {pp * vpp})")
-    if vpp > 1 and pp < 2:
-        raise MegatronModelError(f"megatron.vpp = {vpp} needs megatron.pp >= 2, got pp = {pp}")
+            f"actor.megatron.pp x actor.megatron.vpp = {pp} x {vpp} = {pp * vpp} does not divide "
+            f"model.num_layers={model.num_layers}: every pipeline stage holds the same number of layers")
     if par.sequence_parallel and not te_available():
-        raise MegatronModelError("megatron.sequence_parallel needs transformer-engine on a GPU (fused norms)")
+        raise MegatronModelError("actor.megatron.sequence_parallel=true needs transformer-engine on a GPU (fused "
+                                 "norms); set it to false")
     if par.cp > 1 and not te_available():
-        raise MegatronModelError("megatron.cp > 1 needs transformer-engine attention on a GPU")
+        raise MegatronModelError(f"actor.megatron.cp={par.cp} needs transformer-engine attention on a GPU; set "
+                                 f"actor.megatron.cp=1")
 
 
 def transformer_config(model: ModelConfig, par: MegatronConfig, *, dtype: torch.dtype = torch.float32):

@@ -46,6 +46,7 @@ from protocol.algos.scorers import (
 from protocol.algos.scorers.gsm8k import gsm8k_score
 from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged
 from protocol.registry import Registry
+import protocol.rollout.tasks  # noqa: F401  (the learnable tasks register their scorers by data_source)
 
 __all__ = [
     "RewardError",

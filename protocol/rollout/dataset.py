@@ -231,9 +231,12 @@ class RLHFDataset:
         if self.filtered:
             logger.info("RLHFDataset: filtered %d of %d prompts longer than max_prompt_length=%d tokens",
                         len(self.filtered), len(self.filtered) + len(self.rows), max_prompt_length)
+        if not self.rows and self.filtered:
+            raise DatasetError(f"no rows left in {files!r}: all {len(self.filtered)} prompts are longer than "
+                               f"data.max_prompt_length={max_prompt_length} (the shortest has "
+                               f"{min(n for _, _, n in self.filtered)} tokens)")
         if not self.rows:
-            raise DatasetError(f"no rows left in {files!r} (filtered {len(self.filtered)} over-long prompts with "
-                               f"max_prompt_length={max_prompt_length})")
+            raise DatasetError(f"no rows in {files!r}")
 
     @property
     def num_filtered(self) -> int:

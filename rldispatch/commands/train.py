@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -19,11 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. actor.backend=megatron actor.megatron.tp=2")
     args = parser.parse_args(argv)
     install_known_warnings()  # before megatron-core is imported: some of its harmless warnings fire at import
+    # before the config is read: loading it may say what it settled (rank 0 at INFO, the others only warnings)
+    logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from rldispatch.config import ConfigError, load_config
+    from rldispatch.config import ConfigError, check_environment, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_environment(cfg)  # every rank alike, before any of them joins the process group
     except ConfigError as exc:
         return config_error(exc)
 

@@ -79,6 +79,31 @@ DAPO = [
 ]
 
 
+# (response, ground truth, score, pred) for math_dapo / aime* without an "Answer:" line: the strict box rule, the last
+# \boxed{} in the last 100 characters compared exactly with the ground truth (the reference system's fallback)
+DAPO_BOX = [
+    ("The answer is \\boxed{3105}", "3105", 1.0, "3105"),
+    ("The answer is \\boxed{3105}.", "3105", 1.0, "3105"),
+    ("The answer is \\boxed{3105}", 3105, 1.0, "3105"),  # an integer ground truth compares as its decimal string
+    ("\\boxed{3104}", "3105", -1.0, "3104"),
+    ("\\boxed{1,234}", "1234", -1.0, "1,234"),  # the box's content is not normalised
+    ("\\boxed{\\frac12}", "\\frac{1}{2}", -1.0, "\\frac12"),
+    ("\\boxed{ 7 }", "7", -1.0, " 7 "),
+    ("$\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}", 1.0, "\\frac{1}{2}"),  # nested braces balance
+    ("\\boxed{\\text{(A)}}", "\\text{(A)}", 1.0, "\\text{(A)}"),
+    ("\\boxed{2} then \\boxed{3}", "3", 1.0, "3"),  # the last box counts
+    ("\\boxed{3}" + "." * 91, "3", 1.0, "3"),  # the box ends the last 100 characters' window
+    ("\\boxed{3}" + "." * 92, "3", -1.0, dapo.INVALID),  # one character more: its backslash falls out of it
+    (LONG + "\\boxed{3}", "3", 1.0, "3"),
+    ("\\boxed{3", "3", -1.0, dapo.INVALID),  # unclosed
+    ("\\fbox{3}", "3", -1.0, dapo.INVALID),  # only \boxed{...} is read
+    ("\\boxed 3$", "3", -1.0, dapo.INVALID),
+    ("no answer at all", "3", -1.0, dapo.INVALID),
+    ("Answer: 4\n\\boxed{3}", "3", -1.0, "4"),  # an "Answer:" line wins, right or wrong
+    ("answer: \\boxed{3}", "3", 1.0, "3"),  # ... and is normalised (its box removed)
+]
+
+
 @pytest.mark.parametrize("response,truth,score", GSM8K)
 def test_gsm8k_table(response, truth, score):
     assert default_compute_score("openai/gsm8k", response, truth) == score
@@ -130,6 +155,18 @@ def test_dapo_table(source, response, truth, score, acc):
     result = default_compute_score(source, response, truth)
     assert result["score"] == score and result["acc"] is acc
     assert result["pred"] == dapo.normalize_final_answer(dapo.extract_answer(response))
+
+
+@pytest.mark.parametrize("source", ["math_dapo", "aime2024"])
+@pytest.mark.parametrize("response,truth,score,pred", DAPO_BOX)
+def test_dapo_falls_back_to_the_last_box(source, response, truth, score, pred):
+    assert default_compute_score(source, response, truth) == {"score": score, "acc": score == 1.0, "pred": pred}
+
+
+def test_dapo_strict_box_verify_reads_only_the_box():
+    assert dapo.compute_score("Answer: 4\n\\boxed{3}", "3", strict_box_verify=True) == {
+        "score": 1.0, "acc": True, "pred": "3"}
+    assert dapo.compute_score("Answer: 3", "3", strict_box_verify=True) == {"score": -1.0, "acc": False, "pred": None}
 
 
 def test_dapo_invalid_prediction():

@@ -226,3 +226,13 @@ def test_arithmetic_parquet_loads_and_checks(tmp_path):
                                         task.sample(random.Random(7)).params["solution"])]
     with pytest.raises(TaskError, match="max_operand"):
         get_task("arithmetic", max_operand=1)
+
+
+def test_a_task_registers_its_scorer_and_a_scorer_name_is_refused():
+    import protocol.algos.scorers.registry as scorer_registry
+
+    assert {"repeat", "copy", "reverse", "arithmetic"} <= set(scorer_registry.known_scorers())
+    assert default_compute_score("reverse", "cba", "cba") == 1.0
+    with pytest.raises(TaskError, match="task 'math_dapo' cannot be registered.*already registered"):
+        register_task("math_dapo")(ReverseTask)
+    assert "math_dapo" not in known_tasks()  # refused whole: no task without its scorer

@@ -1,6 +1,8 @@
 """The run config: YAML + overrides into typed sections; every bad value names its key."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rldispatch.config import ConfigError, RunConfig, load_config
@@ -98,13 +100,68 @@ def test_hf_checkpoint_defines_the_architecture_and_the_start_weights(tmp_path):
     start = initial_model(cfg.model, seed=0)  # what both engines load
     for name, p in src.state_dict().items():
         assert torch.equal(start.state_dict()[name], p), name
-    with pytest.raises(ConfigError, match=r"model.hidden_size=64, model.intermediate_size=128 disagree with its "
-                                          r"config.json \(hidden_size=32, intermediate_size=64\)"):
-        load_config(REPO_CONFIG, [f"model.hf_path={tmp_path / 'ckpt'}"])
     with pytest.raises(ConfigError, match="has no config.json"):
         load_config(None, [f"model.hf_path={tmp_path}"])
     with pytest.raises(HFCheckpointError, match="hidden_size: config 64 vs checkpoint 32"):
         initial_model(type(cfg.model)(hf_path=str(tmp_path / "ckpt")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory):
+    """A tiny Qwen2 checkpoint written by transformers (vocab 320, hidden 32, intermediate 64, 4 heads, 2 kv heads)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    import hf_tiny
+
+    return str(hf_tiny.make_checkpoint(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2", tokenizer=True))
+
+
+def test_hf_path_over_a_shipped_config_with_a_model_block(qwen2_folder, caplog):
+    """The checkpoint's config.json defines the architecture; the file's model keys yield to it in one log line."""
+    from backends.model.hf import initial_model, read_hf_config
+
+    with caplog.at_level("INFO", logger="rldispatch.config"):
+        cfg = load_config("grpo_tiny", [f"model.hf_path={qwen2_folder}"])
+    assert cfg.model == read_hf_config(qwen2_folder)
+    assert (cfg.model.model_type, cfg.model.vocab_size, cfg.model.hidden_size) == ("qwen2", 320, 32)
+    assert cfg.data.tokenizer == qwen2_folder  # the folder's own tokenizer
+    notes = [r.getMessage() for r in caplog.records if r.name == "rldispatch.config"]
+    assert notes == [f"model.hf_path={qwen2_folder} defines the architecture: grpo_tiny.yaml's model.vocab_size=128, "
+                     f"model.hidden_size=64, model.intermediate_size=128 yield to its config.json (vocab_size=320, "
+                     f"hidden_size=32, intermediate_size=64)"]
+    initial_model(cfg.model, seed=0)  # the engines' start: the weights match the architecture
+    # command-line keys that agree with config.json are fine; the checkpoint ignores init_std, which stays as given
+    cfg = load_config("grpo_tiny", [f"model.hf_path={qwen2_folder}", "model.hidden_size=32", "model.num_heads=4",
+                                    "model.head_dim=0", "model.init_std=0.5"])
+    assert cfg.model == dataclasses.replace(read_hf_config(qwen2_folder), init_std=0.5)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.hidden_size=64"], "the command line contradicts its config.json: model.hidden_size=64 (config.json: 32); "
+                               "leave these keys out"),
+    (["model.num_heads=14", "model.vocab_size=151936"], "model.vocab_size=151936 (config.json: 320), "
+                                                       "model.num_heads=14 (config.json: 4)"),
+    (["model.model_type=llama"], "model.model_type='llama' (config.json: 'qwen2')"),
+    (["model.hidden_size=abc"], "model.hidden_size: expected an integer, got 'abc'"),
+    (["model.hiden_size=32"], "unknown config key model.hiden_size; valid keys under model:"),
+])
+def test_hf_path_refuses_command_line_keys_that_contradict_the_checkpoint(qwen2_folder, overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo_tiny", [f"model.hf_path={qwen2_folder}", *overrides])
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_hf_path_in_a_config_file_makes_its_model_keys_yield(qwen2_folder, tmp_path, caplog):
+    path = tmp_path / "mine.yaml"
+    path.write_text(f"model:\n  hf_path: {qwen2_folder}\n  num_layers: 2\n  num_heads: 8\n")
+    with caplog.at_level("INFO", logger="rldispatch.config"):
+        assert load_config(path).model == load_config(None, [f"model.hf_path={qwen2_folder}"]).model
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records if r.name == "rldispatch.config"] == [
+        "mine.yaml's model.num_heads=8 yield to its config.json (num_heads=4)"]
+    with pytest.raises(ConfigError, match=r"model.num_heads=8 \(config.json: 4\)"):  # unless the user says it again
+        load_config(path, ["model.num_heads=8"])
 
 
 def _literal_keys(cls, prefix=""):
@@ -207,8 +264,10 @@ def test_active_parallel_section_builds_the_topology():
 def test_plan_command_reports_every_config_error_with_exit_2(capsys):
     from rldispatch.commands.plan import main
 
+    assert main(["--config", REPO_CONFIG, "--world", "3", "actor.backend=megatron", "actor.megatron.tp=2"]) == 2
+    assert "tp*pp*cp = 2*1*1 = 2" in capsys.readouterr().err  # a TopologyError
     assert main(["--config", REPO_CONFIG, "--world", "8", "actor.backend=megatron", "actor.megatron.tp=3"]) == 2
-    assert "tp*pp*cp = 3*1*1 = 3" in capsys.readouterr().err  # a TopologyError
+    assert "actor.megatron.tp=3 does not divide model.num_heads=4" in capsys.readouterr().err  # the model's fit
     assert main(["--config", REPO_CONFIG, "--world", "3"]) == 2
     assert "not divisible by the logical DP size 3" in capsys.readouterr().err  # a DispatchConfigError
     assert main(["--config", REPO_CONFIG, "--world", "2", "actor.optim.name=adam"]) == 2

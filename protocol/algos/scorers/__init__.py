@@ -14,7 +14,6 @@ from protocol.algos.scorers.registry import (
     Scorer,
     ScorerSpec,
     UnknownDataSourceError,
-    default_compute_score,
     get_scorer,
     known_scorers,
     needs_ground_truth,
@@ -33,3 +32,26 @@ __all__ = [
 def exact_match_score(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
     """1.0 when the stripped response equals the stripped ground truth, else 0.0."""
     return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping | None = None,
+                          *, use_math_verify: bool = False) -> float | dict[str, Any]:
+    """The reference system's scoring entry point: the scorer of ``data_source`` applied to one decoded response.
+
+    Returns a float, or the scorer's dict (``"score"`` plus extra values) as it is. ``use_math_verify=True`` scores
+    the MATH data sources with the math-verify package's equivalence instead of string normalisation.
+
+    >>> default_compute_score("openai/gsm8k", "3 + 4 = 7 #### 7", "7")
+    1.0
+    """
+    if use_math_verify and data_source in math_reward.MATH_SOURCES:
+        return float(math_verify.compute_score(solution_str, ground_truth))
+    result = get_scorer(data_source)(solution_str, ground_truth, extra_info)
+    if isinstance(result, Mapping):
+        return dict(result)
+    if isinstance(result, (bool, int, float)):
+        try:
+            return float(result)
+        except OverflowError:  # an int beyond float range: the reward manager refuses it as not finite
+            return result
+    return result  # left for the reward manager to refuse, naming the data source

@@ -1,8 +1,8 @@
-"""Scorers by ``data_source`` and :func:`default_compute_score`, the reference system's entry point to them.
+"""Scorers by ``data_source``: the registry and its lookup.
 
 A *scorer* maps ``(solution_str, ground_truth, extra_info)`` to a float, or to a dict with a ``"score"`` entry and
-extra per-trajectory values (``"acc"``, ``"pred"``, ...). Register one with ``@register_scorer("my_source")``; a
-``data_source`` without one falls back to the learnable task of that name (:mod:`protocol.rollout.tasks`).
+extra per-trajectory values (``"acc"``, ``"pred"``, ...). Register one with ``@register_scorer("my_source")``; the
+learnable tasks of :mod:`protocol.rollout.tasks` register theirs under their names when that package is imported.
 Names registered with ``prefix=True`` also serve every ``data_source`` that starts with them (``aime2024``).
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ __all__ = [
     "scorer_spec",
     "needs_ground_truth",
     "known_scorers",
-    "default_compute_score",
 ]
 
 
@@ -64,23 +63,9 @@ def register_scorer(name: str, *, needs_ground_truth: bool = True, prefix: bool 
     return deco
 
 
-def _tasks() -> Any:
-    try:
-        import protocol.rollout.tasks as tasks
-    except ImportError:  # tasks are optional for the reward registry
-        return None
-    return tasks
-
-
-def _task_names() -> list[str]:
-    tasks = _tasks()
-    return tasks.known_tasks() if tasks is not None else []
-
-
 def known_scorers() -> list[str]:
-    """Every data_source that can be scored: registered scorers (``name*`` for prefixes) and the tasks."""
-    names = {f"{s}*" if _SCORERS.get(s).prefix else s for s in _SCORERS.names()}
-    return sorted(names | set(_task_names()))
+    """Every data_source that can be scored: the registered scorers, ``name*`` for prefixes."""
+    return sorted(f"{s}*" if _SCORERS.get(s).prefix else s for s in _SCORERS.names())
 
 
 _resolved: dict[str, ScorerSpec] = {}  # data_source -> its scorer, while Registry.generation is _resolved_at
@@ -88,7 +73,7 @@ _resolved_at = -1
 
 
 def scorer_spec(data_source: str) -> ScorerSpec:
-    """The scorer of ``data_source``: exact name, else a task of that name, else the longest matching prefix.
+    """The scorer of ``data_source``: its exact name, else the longest matching prefix.
 
     Resolved once per data_source until a registry changes (every trajectory of a batch asks)."""
     global _resolved_at
@@ -106,8 +91,6 @@ def _resolve(data_source: str) -> ScorerSpec:
         raise RewardError(f"data_source must be a str, got {type(data_source).__name__} {data_source!r}")
     if data_source in _SCORERS:
         return _SCORERS.get(data_source)
-    if data_source in _task_names():
-        return ScorerSpec(data_source, _tasks().get_task(data_source).score)
     matches = [s for s in _SCORERS.names() if _SCORERS.get(s).prefix and data_source.startswith(s)]
     if matches:
         return _SCORERS.get(max(matches, key=len))
@@ -123,30 +106,3 @@ def get_scorer(data_source: str) -> Scorer:
 def needs_ground_truth(data_source: str) -> bool:
     """Whether the scorer of ``data_source`` compares against ``reward_model.ground_truth`` (unknown: an error)."""
     return scorer_spec(data_source).needs_ground_truth
-
-
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping | None = None,
-                          *, use_math_verify: bool = False) -> float | dict[str, Any]:
-    """The reference system's scoring entry point: the scorer of ``data_source`` applied to one decoded response.
-
-    Returns a float, or the scorer's dict (``"score"`` plus extra values) as it is. ``use_math_verify=True`` scores
-    the MATH data sources with the math-verify package's equivalence instead of string normalisation.
-
-    >>> default_compute_score("openai/gsm8k", "3 + 4 = 7 #### 7", "7")
-    1.0
-    """
-    if use_math_verify:
-        from protocol.algos.scorers.math_reward import MATH_SOURCES
-        from protocol.algos.scorers.math_verify import compute_score as math_verify_score
-
-        if data_source in MATH_SOURCES:
-            return float(math_verify_score(solution_str, ground_truth))
-    result = get_scorer(data_source)(solution_str, ground_truth, extra_info)
-    if isinstance(result, Mapping):
-        return dict(result)
-    if isinstance(result, (bool, int, float)):
-        try:
-            return float(result)
-        except OverflowError:  # an int beyond float range: the reward manager refuses it as not finite
-            return result
-    return result  # left for the reward manager to refuse, naming the data source

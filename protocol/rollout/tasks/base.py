@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from protocol.algos.scorers.registry import RewardError, Scorer, register_scorer
 from protocol.registry import Registry
 
 __all__ = ["TaskExample", "Task", "TaskError", "register_task", "get_task", "known_tasks"]
@@ -77,16 +78,40 @@ class Task(abc.ABC):
 
 
 _TASKS: Registry[Callable[..., Task]] = Registry("task", error=TaskError)
+_TASK_SCORERS: dict[str, Scorer] = {}  # task name -> the scorer it registered for data_source = name
+
+
+def _task_scorer(name: str) -> Scorer:
+    """Scores with one default instance of the task ``name``, made at the first call (its parameters come from
+    ``extra_info``)."""
+    task: Task | None = None
+
+    def score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+        nonlocal task
+        if task is None:
+            task = get_task(name)
+        return task.score(solution_str, ground_truth, extra_info)
+
+    score.__name__ = score.__qualname__ = f"{name}_task_score"
+    return score
 
 
 def register_task(name: str):
-    """Class/factory decorator: make a task available as ``data_source = name``."""
+    """Class/factory decorator: make a task available as ``data_source = name``, its scorer included."""
     register = _TASKS.register(name)
 
     def deco(factory):
         register(factory)
         if isinstance(factory, type):
             factory.name = name
+        if name not in _TASK_SCORERS:
+            scorer = _task_scorer(name)
+            try:
+                register_scorer(name)(scorer)
+            except RewardError as exc:  # a scorer of another kind holds the name: the task cannot be scored
+                _TASKS.unregister(name)
+                raise TaskError(f"task {name!r} cannot be registered: {exc}") from exc
+            _TASK_SCORERS[name] = scorer
         return factory
 
     return deco
