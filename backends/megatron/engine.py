@@ -61,6 +61,9 @@ def check_engine_config(config: EngineConfig) -> None:
 
     par, opt = config.megatron, config.optim
     check_model_fits(config.model, par)
+    if config.lora.rank > 0:
+        raise ValueError(f"actor.lora.rank = {config.lora.rank}: LoRA adapters are not implemented by the megatron "
+                         f"engine (actor.backend=megatron); set actor.lora.rank = 0 or actor.backend = fsdp")
     if par.use_distributed_optimizer and opt.name != "adamw":
         raise ValueError(f"megatron.use_distributed_optimizer = true needs optim.name = 'adamw' (megatron-core's "
                          f"distributed optimizer supports Adam only), got optim.name = {opt.name!r}; set "
