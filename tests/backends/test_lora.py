@@ -51,6 +51,15 @@ def test_lora_keys_load_from_overrides_and_megatron_is_refused():
         load_config("configs/grpo_tiny.yaml", ["actor.lora.rank=4", "actor.backend=megatron"])
 
 
+def test_megatron_engine_refuses_adapters_before_building_anything():
+    from backends.config import EngineConfig
+    from backends.megatron.engine import check_engine_config
+
+    with pytest.raises(ValueError, match=r"actor\.lora\.rank = 4.*actor\.backend=megatron"):
+        check_engine_config(EngineConfig(model=TINY, lora=LoraConfig(rank=4)))
+    check_engine_config(EngineConfig(model=TINY))  # rank 0: accepted
+
+
 # ---- the layer ---------------------------------------------------------------------------------------------------
 def _adapted(targets=LORA_TARGETS, rank=3, alpha=6.0, seed=0) -> LlamaModel:
     model = LlamaModel.from_seed(TINY, 0)
@@ -228,3 +237,26 @@ def test_resume_refuses_a_changed_adapter_layout_and_reads_old_checkpoints_as_lo
     assert check_resume_config({"config": before_lora}, now, "ckpt") == []
     with pytest.raises(ConfigError, match=r"actor\.lora\.rank was 0, now 2"):
         check_resume_config({"config": before_lora}, {**now, "actor": {"backend": "fsdp", "lora": {"rank": 2}}}, "c")
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_grpo_run_with_lora_uses_the_adapter_free_reference(torchrun, tmp_path):
+    """The trainer end to end with adapters: step 1's policy is the base, so its KL to the reference is exactly 0;
+    at step 2 the adapters have moved and the reference (adapters off) has not."""
+    repo = Path(__file__).resolve().parents[2]
+    run = tmp_path / "run"
+    torchrun(repo / "scripts" / "train.py", 2, "--config", str(repo / "configs" / "grpo_tiny.yaml"),
+             "trainer.progress_bar=false", "trainer.tensorboard=false", "data.val_batch_size=4",
+             "data.train_size=32", "data.val_size=4", f"data.train_files=[{tmp_path}/data/train.parquet]",
+             f"data.val_files=[{tmp_path}/data/val.parquet]", f"trainer.run_dir={run}", "trainer.total_steps=2",
+             "trainer.val_freq=0", "actor.ppo_mini_batch_size=16", "actor.optim.lr=0.05", "actor.lora.rank=4",
+             "actor.lora.alpha=8", "actor.loss.use_kl_loss=true", timeout=400)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["actor/kl_loss"] == 0.0, records[0]["actor/kl_loss"]
+    assert records[1]["actor/kl_loss"] > 0.0, records[1]["actor/kl_loss"]
+    from backends.fsdp.checkpoint import read_model_weights
+
+    saved = read_model_weights(str(run / "checkpoints" / "step_2"))
+    assert sum(1 for n in saved if is_adapter_name(n)) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
