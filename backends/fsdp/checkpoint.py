@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from backends.checkpoint_dir import prepare_checkpoint_dir
 
-__all__ = ["save", "load", "full_weights", "reshard", "load_full_weights", "load_hf_shards", "local_rows", "read_model_weights",
-           "CheckpointError"]
+__all__ = ["save", "load", "full_weights", "reshard", "load_full_weights", "load_hf_shards", "local_rows",
+           "read_model_weights", "CheckpointError"]
 
 ENGINE_STATE = "engine_state.pt"
 
@@ -72,12 +72,15 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     """Every parameter unsharded, fp32 or its storage dtype, on CPU, on every rank (one all-gather each).
 
     The model is resharded first: after a no-grad forward FSDP2 leaves the root's parameters unsharded (plain
-    tensors whose storage it frees at the next reshard), and a copy must not alias them.
+    tensors whose storage it frees at the next reshard). Every tensor returned is a copy the caller owns.
     """
     reshard(model)
     out = {}
     for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            t = t.clone()  # a one-rank mesh gathers nothing and hands back the parameter's own storage
         out[name] = t.detach().cpu()
     return out
 

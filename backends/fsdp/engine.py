@@ -320,8 +320,8 @@ class FSDPEngine(Engine):
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full weights in the base layout; a LoRA actor's are merged, ``W + (alpha / rank) B A``."""
-        weights = ckpt.full_weights(self.model)
-        return merge_adapters(weights, self.config.lora.spec().scale) if self.has_adapters else weights
+        weights = ckpt.full_weights(self.model)  # fresh copies: merged in place
+        return merge_adapters(weights, self.config.lora.spec().scale, inplace=True) if self.has_adapters else weights
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         """Full weights with the adapters apart (``...q_proj.weight``, ``...q_proj.lora_A``, ``...lora_B``)."""

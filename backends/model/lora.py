@@ -149,10 +149,13 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             m.adapters_enabled = was
 
 
-def merge_adapters(weights: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+@torch.no_grad()
+def merge_adapters(weights: Mapping[str, torch.Tensor], scale: float, *, inplace: bool = False
+                   ) -> dict[str, torch.Tensor]:
     """Base-layout weights with every adapter folded in: ``W + scale * B @ A`` (computed in fp32, cast back).
 
-    Every other tensor is returned as is (the same object), and the ``lora_*`` entries are dropped.
+    Every other tensor is returned as is (the same object), and the ``lora_*`` entries are dropped. ``inplace``:
+    fp32 base weights are updated in their own storage (for a dict of fresh copies: no second copy of each matrix).
     """
     out = {n: t for n, t in weights.items() if not is_adapter_name(n)}
     for w in adapter_names(weights):
@@ -161,5 +164,8 @@ def merge_adapters(weights: Mapping[str, torch.Tensor], scale: float) -> dict[st
         if w not in out:
             raise KeyError(f"adapter {stem}.lora_A has no base weight {w}")
         base = out[w]
-        out[w] = (base.float() + scale * (b @ a)).to(base.dtype)
+        if inplace and base.dtype == torch.float32:
+            base.addmm_(b, a, alpha=scale)
+        else:
+            out[w] = (base.float() + scale * (b @ a)).to(base.dtype)
     return out

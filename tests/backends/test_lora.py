@@ -260,3 +260,33 @@ def test_grpo_run_with_lora_uses_the_adapter_free_reference(torchrun, tmp_path):
 
     saved = read_model_weights(str(run / "checkpoints" / "step_2"))
     assert sum(1 for n in saved if is_adapter_name(n)) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+
+
+def test_one_rank_engine_merges_without_touching_its_parameters():
+    """On a one-rank mesh FSDP2's gather hands back the parameter's own storage: the weight sync's in-place merge
+    must work on a copy (get_weights twice gives the same merged weights; the base stays the base)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from backends.base import get_engine_class
+    from backends.config import EngineConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        eng = get_engine_class("fsdp")(EngineConfig(model=TINY, lora=LoraConfig(rank=2, alpha=4.0), seed=1))
+        own = eng.adapter_weights()
+        eng.set_weights({n: (torch.randn_like(t) if n.endswith("lora_B") else t) for n, t in own.items()})
+        own = eng.adapter_weights()
+        first, second = eng.get_weights(), eng.get_weights()
+        assert all(torch.equal(first[n], second[n]) for n in first)
+        after = eng.adapter_weights()
+        assert all(torch.equal(after[n], own[n]) for n in own), "get_weights changed the parameters"
+        w = "layers.0.self_attn.q_proj.weight"
+        want = own[w] + 2.0 * own["layers.0.self_attn.q_proj.lora_B"] @ own["layers.0.self_attn.q_proj.lora_A"]
+        torch.testing.assert_close(first[w], want, rtol=1e-6, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
