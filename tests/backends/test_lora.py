@@ -262,22 +262,30 @@ def test_grpo_run_with_lora_uses_the_adapter_free_reference(torchrun, tmp_path):
     assert sum(1 for n in saved if is_adapter_name(n)) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
 
 
-def test_one_rank_engine_merges_without_touching_its_parameters():
+def test_one_rank_engine_merges_without_touching_its_parameters_and_the_rollout_samples_with_them():
     """On a one-rank mesh FSDP2's gather hands back the parameter's own storage: the weight sync's in-place merge
-    must work on a copy (get_weights twice gives the same merged weights; the base stays the base)."""
+    must work on a copy (get_weights twice gives the same merged weights; the base stays the base). The rollout
+    worker loaded with them samples tokens whose log-probs are the actor's."""
+    import dataclasses
     import socket
 
     import torch.distributed as dist
+    from tensordict import TensorDict
 
-    from backends.base import get_engine_class
+    from backends.base import Share, get_engine_class
     from backends.config import EngineConfig
+    from protocol.batch.nested import to_nested
+    from protocol.rollout.tokenizer import load_tokenizer
+    from rldispatch.rollout import RolloutWorker
+
+    cfg = dataclasses.replace(TINY, vocab_size=128)  # the char tokenizer's 128 ids
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        eng = get_engine_class("fsdp")(EngineConfig(model=TINY, lora=LoraConfig(rank=2, alpha=4.0), seed=1))
+        eng = get_engine_class("fsdp")(EngineConfig(model=cfg, lora=LoraConfig(rank=2, alpha=4.0), seed=1))
         own = eng.adapter_weights()
         eng.set_weights({n: (torch.randn_like(t) if n.endswith("lora_B") else t) for n, t in own.items()})
         own = eng.adapter_weights()
@@ -288,5 +296,21 @@ def test_one_rank_engine_merges_without_touching_its_parameters():
         w = "layers.0.self_attn.q_proj.weight"
         want = own[w] + 2.0 * own["layers.0.self_attn.q_proj.lora_B"] @ own["layers.0.self_attn.q_proj.lora_A"]
         torch.testing.assert_close(first[w], want, rtol=1e-6, atol=1e-6)
+
+        rollout = RolloutWorker(cfg, load_tokenizer("char"), seed=3)
+        rollout.load_weights(first)
+        prompts = [[5, 17, 40, 9], [70, 3, 12]]
+        samples = rollout.generate_batch(prompts, {"temperature": 1.0, "max_tokens": 6})
+        assert all(len(ids) > 1 for ids, _ in samples), samples
+        base_w = {n: t for n, t in own.items() if not is_adapter_name(n)}
+        assert any(not torch.equal(first[n], base_w[n]) for n in base_w), "the merge changed nothing"
+        rows = [torch.tensor(p + ids) for p, (ids, _) in zip(prompts, samples)]
+        td = TensorDict({"input_ids": to_nested(rows),
+                         "response_mask": to_nested([torch.ones(len(ids), dtype=torch.long) for ids, _ in samples])},
+                        batch_size=[2])
+        actor = eng.infer_batch(Share(td, [[0, 1]]))["log_probs"]
+        for (ids, lps), got in zip(samples, actor.unbind()):
+            # merged (W + s B A) vs factored (x W + s (x A) B) products: fp32 rounding of logits ~1e-6
+            torch.testing.assert_close(torch.tensor(lps, dtype=torch.float32), got, rtol=0, atol=2e-5)
     finally:
         dist.destroy_process_group()
