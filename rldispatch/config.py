@@ -1,7 +1,7 @@
 """The run's typed configuration: YAML + dot-list overrides, validated once at start-up.
 
 Each section is a dataclass defined once, at its owner: ``model`` (backends.model.config.ModelConfig),
-``actor.optim`` / ``actor.loss`` / ``actor.lora`` (backends.config), ``actor.fsdp`` / ``actor.megatron`` (backends.config,
+``actor.optim`` / ``actor.loss`` (backends.config), ``actor.fsdp`` / ``actor.megatron`` (backends.config,
 extending dispatch.topology's FSDPParallel / MegatronParallel with the engine-only keys); the run's own
 sections live here. :func:`load_config` builds them with :func:`protocol.config.build_dataclass`, which refuses
 unknown keys, wrong types and values outside a ``Literal`` naming the dotted key; :func:`validate` then checks
@@ -231,7 +231,8 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"actor.loss.temperature unset")
     if cfg.actor.lora.rank > 0 and cfg.actor.backend != "fsdp":
         raise ConfigError(f"actor.lora.rank={cfg.actor.lora.rank} needs actor.backend=fsdp: LoRA adapters are not "
-                          f"implemented on actor.backend={cfg.actor.backend}; set actor.lora.rank=0 or actor.backend=fsdp")
+                          f"implemented on actor.backend={cfg.actor.backend}; set actor.lora.rank=0 or "
+                          f"actor.backend=fsdp")
     if cfg.algorithm.use_kl_in_reward and not cfg.ref.enabled:
         raise ConfigError("algorithm.use_kl_in_reward=true needs the reference policy: set ref.enabled=true")
     if cfg.rollout.temperature <= 0:

@@ -28,7 +28,8 @@ REFUSED_ON_RESUME = ("model.", "actor.backend", "actor.fsdp.", "actor.megatron."
                      "data.shuffle", "data.train_batch_size", "data.tokenizer", "data.prompt_key",
                      "data.max_prompt_length", "data.filter_overlong_prompts", "data.task", "data.train_size",
                      "trainer.seed", "actor.lora.")
-_LAYOUT_FREE = ("actor.fsdp.activation_checkpointing", "actor.lora.dropout")  # inside a refused section, but changes no saved state
+# inside a refused section, but changes no saved state
+_LAYOUT_FREE = ("actor.fsdp.activation_checkpointing", "actor.lora.dropout")
 _NOT_SETTINGS = ("trainer.resume", "trainer.run_dir_exists", "trainer.progress_bar", "trainer.run_dir",
                  "trainer.gc_interval", "trainer.host_channel")
 

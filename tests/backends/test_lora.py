@@ -26,7 +26,8 @@ TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_laye
 @pytest.mark.parametrize("kwargs, key", [
     ({"rank": -1}, "actor.lora.rank"), ({"alpha": 0.0}, "actor.lora.alpha"), ({"alpha": -2.0}, "actor.lora.alpha"),
     ({"alpha": float("nan")}, "actor.lora.alpha"), ({"dropout": 1.0}, "actor.lora.dropout"),
-    ({"dropout": -0.1}, "actor.lora.dropout"), ({"target_modules": ["q_proj", "qkv_proj"]}, "actor.lora.target_modules"),
+    ({"dropout": -0.1}, "actor.lora.dropout"),
+    ({"target_modules": ["q_proj", "qkv_proj"]}, "actor.lora.target_modules"),
     ({"target_modules": "attn"}, "actor.lora.target_modules"), ({"target_modules": []}, "actor.lora.target_modules"),
     ({"target_modules": ["q_proj", "q_proj"]}, "actor.lora.target_modules"),
 ])
@@ -131,7 +132,8 @@ def test_lora_linear_equals_peft_lora_layer():
 @settings(max_examples=20, deadline=None)
 @given(rank=st.integers(1, 4), alpha=st.floats(0.25, 64.0), seed=st.integers(0, 2**16))
 def test_merged_weight_is_base_plus_scaled_low_rank_product(rank, alpha, seed):
-    """merge = W + (alpha/r) B A to fp32 rounding of the float64 formula, a difference of rank <= r, others untouched."""
+    """merge = W + (alpha/r) B A to fp32 rounding of the float64 formula, a difference of rank <= r, the rest
+    untouched."""
     g = torch.Generator().manual_seed(seed)
     w, a, b = torch.randn(9, 7, generator=g), torch.randn(rank, 7, generator=g), torch.randn(9, rank, generator=g)
     other = torch.randn(5, generator=g)
