@@ -157,10 +157,16 @@ def _numerical_rank(delta: torch.Tensor) -> int:
 @pytest.mark.dist
 @pytest.mark.slow
 def test_fsdp_lora_engine_reference_rollout_resume_and_export(torchrun, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(WORKER.parent))
+    import hf_tiny
+
     ckpt = tmp_path / "ckpt"
-    out = torchrun(WORKER, 2, "--path", str(ckpt), timeout=400)
+    hf = hf_tiny.make_checkpoint(tmp_path / "qwen2", "qwen2", max_shard_size="40KB", tokenizer=False)
+    out = torchrun(WORKER, 2, "--path", str(ckpt), "--hf", str(hf), timeout=400)
     for check in ("step0_equals_base", "grads_only_on_adapters", "reference_is_actor_without_adapters",
-                  "merged_weights_logprobs", "resume_bitwise"):
+                  "merged_weights_logprobs", "resume_bitwise", "hf_start_equals_checkpoint"):
         assert f"OK {check}" in out, f"{check} did not report OK:\n{out[-3000:]}"
 
     # the checkpoint holds the frozen base and the adapters (and AdamW state for the adapters only)

@@ -137,14 +137,45 @@ def mode_resume(path: str) -> None:
     say("resume_bitwise")
 
 
+def mode_hf(hf_path: str) -> None:
+    """From a sharded Hugging Face folder (meta init, per-rank rows): the adapted model starts as the checkpoint's,
+    and the adapters are the same as for a seeded start (they never come from the checkpoint)."""
+    from backends.model.hf import read_hf_config
+
+    cfg = read_hf_config(hf_path)
+    ec = lambda lora: EngineConfig(model=cfg, optim=OptimConfig(name="sgd"), seed=SEED, lora=lora)  # noqa: E731
+    base = get_engine_class("fsdp")(ec(LoraConfig()), None)
+    eng = get_engine_class("fsdp")(ec(LORA), None)
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (7, 5, 9, 4)]
+    td = to_td([{"input_ids": r, "response_mask": torch.ones(3, dtype=torch.long), "old_log_probs": torch.zeros(3),
+                 "advantages": torch.zeros(3), "ref_log_prob": torch.zeros(3), "is_padding": False} for r in rows])
+    share = Share(td, fixed_micro(4, 2))
+    got, want = log_probs(eng, share), log_probs(base, share)
+    if got is not None:
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), "an adapted checkpoint start is not the checkpoint"
+    plain = LlamaModel(cfg)
+    apply_lora(plain, LORA.spec())
+    init_adapters(plain, SEED)
+    mine = eng.adapter_weights()
+    for n, p in plain.named_parameters():
+        if is_adapter_name(n):
+            assert torch.equal(mine[n], p.detach()), f"{n} differs from the seeded adapters"
+    base_w = base.get_weights()
+    assert all(torch.equal(mine[n], base_w[n]) for n in base_w), "the frozen base is not the checkpoint's"
+    say("hf_start_equals_checkpoint")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--path", required=True)
+    ap.add_argument("--hf", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     try:
         mode_lora()
         mode_resume(args.path)
+        mode_hf(args.hf)
     finally:
         dist.destroy_process_group()
 
