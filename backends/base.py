@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -82,7 +83,18 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights in the project's model layout (backends.model), on every rank, on CPU."""
+        """Full, unsharded weights in the project's model layout (backends.model), on every rank, on CPU.
+
+        With LoRA adapters the adapters are merged in: these are the weights the policy samples with."""
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether the model carries LoRA adapters (its base weights frozen)."""
+        return False
+
+    def adapters_disabled(self) -> contextlib.AbstractContextManager:
+        """A context in which forward passes use the base weights alone (the reference policy of a LoRA actor)."""
+        raise NotImplementedError(f"the {self.name} engine has no LoRA adapters to disable")
 
     @abc.abstractmethod
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

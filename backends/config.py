@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from backends.model.config import ModelConfig
+from backends.model.lora import LORA_TARGETS, LoraSpec, resolve_targets
 from dispatch.topology import FSDPParallel, MegatronParallel
 from protocol.algos.kl import KL_KINDS
 from protocol.algos.losses import LossAggMode
 from protocol.config import ConfigError, check_choices
 
-__all__ = ["EngineConfigError", "OptimConfig", "PolicyLossConfig", "FSDPConfig", "MegatronConfig", "EngineConfig",
-           "DtypeName"]
+__all__ = ["EngineConfigError", "OptimConfig", "PolicyLossConfig", "FSDPConfig", "MegatronConfig", "LoraConfig",
+           "EngineConfig", "DtypeName"]
 
 # dtype names of the FSDP mixed-precision policy; auto = bf16 on GPU, fp32 on CPU
 DtypeName = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
@@ -123,6 +124,45 @@ class MegatronConfig(MegatronParallel):
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the decoder's projections (``rank`` 0 = off: every weight trains).
+
+    With ``rank`` > 0 the base weights are frozen and only the adapters train; the update of a target projection is
+    ``(alpha / rank) * B @ A``.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    target_modules: str | list[str] = "all-linear"  # all-linear, or a list of the decoder's projection names
+    dropout: float = 0.0  # dropout on the adapters' input during training
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise EngineConfigError(f"actor.lora.rank must be >= 0 (0 = off), got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise EngineConfigError(f"actor.lora.alpha must be a finite number > 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise EngineConfigError(f"actor.lora.dropout must be in [0, 1), got {self.dropout!r}")
+        given = [self.target_modules] if isinstance(self.target_modules, str) else list(self.target_modules)
+        if given != ["all-linear"]:
+            unknown = [t for t in given if t not in LORA_TARGETS]
+            if unknown or not given:
+                raise EngineConfigError(f"actor.lora.target_modules: {unknown or given} not among the decoder's "
+                                        f"projections {list(LORA_TARGETS)} (or 'all-linear')")
+            if len(set(given)) != len(given):
+                raise EngineConfigError(f"actor.lora.target_modules lists a projection twice: {given}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def spec(self) -> LoraSpec:
+        """What the model needs to adapt itself."""
+        return LoraSpec(rank=self.rank, alpha=self.alpha, targets=resolve_targets(self.target_modules),
+                        dropout=self.dropout)
+
+
+@dataclass
 class EngineConfig:
     """Everything an engine needs besides its topology."""
 
@@ -131,6 +171,7 @@ class EngineConfig:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
     max_token_len_per_gpu: int | None = None  # token budget per micro-batch, checked again by the engine
     dist_timeout_s: float | None = None  # timeout of every process group the engine creates; None = torch's default

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from backends.config import EngineConfig, FSDPConfig, MegatronConfig, OptimConfig, PolicyLossConfig
+from backends.config import EngineConfig, FSDPConfig, LoraConfig, MegatronConfig, OptimConfig, PolicyLossConfig
 from backends.model.config import ModelConfig
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
 from dispatch.topology import BackendName, ParallelSection, Topology
@@ -105,6 +105,7 @@ class ActorConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def parallel(self) -> ParallelSection:
@@ -114,7 +115,7 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    enabled: bool = True  # a frozen copy of the initial policy
+    enabled: bool = True  # a frozen copy of the initial policy (with actor.lora.rank > 0: the actor, adapters off)
 
 
 @dataclass
@@ -194,7 +195,7 @@ class RunConfig:
             optim = dataclasses.replace(optim, total_steps=self.trainer.total_steps * per_step)
         return EngineConfig(
             model=self.model, optim=optim, loss=loss, fsdp=self.actor.fsdp,
-            megatron=self.actor.megatron, seed=self.trainer.seed,
+            megatron=self.actor.megatron, lora=self.actor.lora, seed=self.trainer.seed,
             max_token_len_per_gpu=self.actor.max_token_len_per_gpu if self.actor.use_dynamic_bsz else None,
             dist_timeout_s=self.trainer.dist_timeout_s, rollback_nonfinite=self.trainer.on_nonfinite == "skip",
         )
@@ -262,6 +263,10 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"actor.loss.temperature ({cfg.actor.loss.temperature}) differs from rollout.temperature "
             f"({cfg.rollout.temperature}); the update always scores tokens at the rollout's temperature, so leave "
             f"actor.loss.temperature unset")
+    if cfg.actor.lora.rank > 0 and cfg.actor.backend != "fsdp":
+        raise ConfigError(f"actor.lora.rank={cfg.actor.lora.rank} needs actor.backend=fsdp: LoRA adapters are not "
+                          f"implemented on actor.backend={cfg.actor.backend}; set actor.lora.rank=0 or "
+                          f"actor.backend=fsdp")
     if cfg.algorithm.use_kl_in_reward and not cfg.ref.enabled:
         raise ConfigError("algorithm.use_kl_in_reward=true needs the reference policy: set ref.enabled=true")
     if cfg.rollout.temperature <= 0:

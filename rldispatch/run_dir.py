@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from protocol.config import ConfigError
+from protocol.config import ConfigError, to_plain
 
 __all__ = ["RUN_RECORD", "claim_run_dir", "checkpoint_candidates", "check_resume_config", "write_run_record",
            "flatten", "REFUSED_ON_RESUME"]
@@ -27,8 +27,9 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 REFUSED_ON_RESUME = ("model.", "actor.backend", "actor.fsdp.", "actor.megatron.", "data.train_files",
                      "data.shuffle", "data.train_batch_size", "data.tokenizer", "data.prompt_key",
                      "data.max_prompt_length", "data.filter_overlong_prompts", "data.task", "data.train_size",
-                     "trainer.seed")
-_LAYOUT_FREE = ("actor.fsdp.activation_checkpointing",)  # inside a refused section, but changes no saved state
+                     "trainer.seed", "actor.lora.")
+# inside a refused section, but changes no saved state
+_LAYOUT_FREE = ("actor.fsdp.activation_checkpointing", "actor.lora.dropout")
 _NOT_SETTINGS = ("trainer.resume", "trainer.run_dir_exists", "trainer.progress_bar", "trainer.run_dir",
                  "trainer.gc_interval")
 
@@ -109,6 +110,12 @@ def check_resume_config(record: dict, current: dict, where: str) -> list[tuple[s
                           f"actor.backend={now_backend}; a checkpoint resumes on the backend that wrote it (convert "
                           "it with `rldispatch export` and start a new run from model.hf_path)")
     old, new = flatten(saved_cfg), flatten(current)
+    from backends.config import LoraConfig
+
+    # a config without actor.lora (written before it existed) is a run without adapters
+    for key, value in flatten({"actor": {"lora": to_plain(LoraConfig())}}).items():
+        old.setdefault(key, value)
+        new.setdefault(key, value)
     refused, applied = [], []
     for key in sorted(set(old) | set(new)):
         if key in _NOT_SETTINGS or old.get(key) == new.get(key):

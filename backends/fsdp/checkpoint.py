@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from backends.checkpoint_dir import prepare_checkpoint_dir
 
-__all__ = ["save", "load", "full_weights", "load_full_weights", "load_hf_shards", "local_rows", "read_model_weights",
-           "CheckpointError"]
+__all__ = ["save", "load", "full_weights", "reshard", "load_full_weights", "load_hf_shards", "local_rows",
+           "read_model_weights", "CheckpointError"]
 
 ENGINE_STATE = "engine_state.pt"
 
@@ -69,12 +69,29 @@ def load(path: str, model, optimizer, lr_scheduler) -> tuple[int, dict]:
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
-    """Every parameter unsharded, fp32 or its storage dtype, on CPU, on every rank (one all-gather each)."""
+    """Every parameter unsharded, fp32 or its storage dtype, on CPU, on every rank (one all-gather each).
+
+    The model is resharded first: after a no-grad forward FSDP2 leaves the root's parameters unsharded (plain
+    tensors whose storage it frees at the next reshard). Every tensor returned is a copy the caller owns.
+    """
+    reshard(model)
     out = {}
     for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            t = t.clone()  # a one-rank mesh gathers nothing and hands back the parameter's own storage
         out[name] = t.detach().cpu()
     return out
+
+
+def reshard(model) -> None:
+    """Put every FSDP2 module of ``model`` back into its sharded state (a no-op for modules already sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def load_full_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
@@ -134,7 +151,9 @@ def load_hf_shards(model, path: str) -> int:
     folder = SafetensorsFolder(path)
     headers = {n: torch.empty(folder.shape(n), device="meta") for n in folder.names()}
     convert_hf_state_dict(headers, cfg)  # missing / unexpected / misshapen weights, named, before reading data
-    params = dict(model.named_parameters())
+    from backends.model.lora import is_adapter_name
+
+    params = {n: p for n, p in model.named_parameters() if not is_adapter_name(n)}  # adapters start from the seed
     hf_names = {project: hf for hf, project in to_hf_state_dict({n: n for n in params}, cfg).items()}
     read = 0
     for name, p in params.items():

@@ -22,6 +22,7 @@ from backends.comm import allreduce_counts
 from protocol.algos.logprob import logprobs_of_targets, response_logit_positions
 from backends.model.hf import check_hf_config
 from backends.model.llama import LlamaModel
+from backends.model.lora import adapters_disabled, apply_lora, init_adapters, merge_adapters
 from backends.optim import StepSnapshot, all_finite, build_lr_scheduler, build_optimizer, clip_grad_norm, lr_factor
 from protocol.algos.losses import entropy_bonus, global_counts, kl_loss, policy_loss
 from protocol.batch.nested import to_nested
@@ -90,8 +91,9 @@ class FSDPEngine(Engine):
         param_dtype = resolve_dtype(fc.param_dtype, "actor.fsdp.param_dtype", on_gpu)
         reduce_dtype = resolve_dtype(fc.reduce_dtype, "actor.fsdp.reduce_dtype", on_gpu)
         self.model = self._build_model(MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
-        model = self.model
-        self.optimizer = build_optimizer(model.parameters(), config.optim)
+        # with LoRA only the adapters train: they alone get gradients, optimizer state and pre-step snapshots
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.trainable, config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
         self.global_step = 0
         # FSDP averages gradients over all `world` ranks of its mesh. Each DP replica's loss is its share of the
@@ -107,14 +109,18 @@ class FSDPEngine(Engine):
         From a checkpoint (``model.hf_path``) the model is built on the meta device, sharded, materialised empty
         and each rank reads only its own rows from the safetensors files, so no rank holds the full model. A
         random start (no checkpoint) is built whole from the seed (the same weights for every world size).
+        With ``actor.lora.rank`` > 0 the target projections get adapters before sharding (FSDP2 shards the frozen
+        base and the adapters alike), drawn from the seed after sharding, each rank its own rows.
         """
-        cfg = self.config.model
+        cfg, lora = self.config.model, self.config.lora
         if cfg.hf_path:
             check_hf_config(cfg)
             with torch.device("meta"):
                 model = LlamaModel(cfg)
         else:
             model = LlamaModel.from_seed(cfg, self.config.seed).to(self.device)
+        if lora.enabled:
+            apply_lora(model, lora.spec())
         model.activation_checkpointing = bool(self.config.fsdp.activation_checkpointing)
         for layer in model.layers:
             fully_shard(layer, mesh=self.fsdp_mesh, mp_policy=mp)
@@ -122,6 +128,8 @@ class FSDPEngine(Engine):
         if cfg.hf_path:
             model.to_empty(device=self.device)
             ckpt.load_hf_shards(model, cfg.hf_path)
+        if lora.enabled:
+            init_adapters(model, self.config.seed)
         return model
 
     # ---- topology -------------------------------------------------------------------------------------------
@@ -246,15 +254,14 @@ class FSDPEngine(Engine):
             sums += torch.stack([x.detach().to(self.device, torch.float64).reshape(())
                                  for x in (loss, pg, m["clipfrac"], m["approx_kl"], ent_share, kl)])
         self.model.set_requires_gradient_sync(True)
-        grad_norm, finite = clip_grad_norm(self.model.parameters(), self.config.optim.clip_grad)
+        grad_norm, finite = clip_grad_norm(self.trainable, self.config.optim.clip_grad)
         lr = self.lr_scheduler.get_last_lr()[0]
         nonfinite = False
         if finite:
-            before = StepSnapshot(self.model.parameters(), [self.optimizer]) if self.config.rollback_nonfinite \
-                else None
+            before = StepSnapshot(self.trainable, [self.optimizer]) if self.config.rollback_nonfinite else None
             self.optimizer.step()
             # a finite gradient can still make a non-finite weight (a huge lr, an update overflowing the dtype)
-            nonfinite = not all_finite(self.model.parameters(), device=self.device)
+            nonfinite = not all_finite(self.trainable, device=self.device)
             if nonfinite and before is not None:
                 before.restore()
         else:  # a non-finite gradient norm: keep the parameters and the optimizer state, report the skip
@@ -292,6 +299,7 @@ class FSDPEngine(Engine):
                         ents[j] = x.float().cpu()
         finally:
             self.model.train()
+            ckpt.reshard(self.model)  # a no-grad forward leaves the root's parameters gathered: free them
         if not self.is_reporting_rank:
             return None
         out = {"log_probs": to_nested(lps)}
@@ -300,10 +308,27 @@ class FSDPEngine(Engine):
         return TensorDict(out, batch_size=[view.n])
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------
+    @property
+    def has_adapters(self) -> bool:
+        return self.config.lora.enabled
+
+    def adapters_disabled(self):
+        """Forward passes inside the block use the frozen base weights alone (bit-identical to the base model)."""
+        if not self.has_adapters:
+            raise RuntimeError("adapters_disabled() needs actor.lora.rank > 0: this actor has no adapters")
+        return adapters_disabled(self.model)
+
     def get_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights in the base layout; a LoRA actor's are merged, ``W + (alpha / rank) B A``."""
+        weights = ckpt.full_weights(self.model)  # fresh copies: merged in place
+        return merge_adapters(weights, self.config.lora.spec().scale, inplace=True) if self.has_adapters else weights
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights with the adapters apart (``...q_proj.weight``, ``...q_proj.lora_A``, ``...lora_B``)."""
         return ckpt.full_weights(self.model)
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full weights in the model's own names (a LoRA actor's include ``lora_A`` / ``lora_B``)."""
         ckpt.load_full_weights(self.model, state_dict)
 
     def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:

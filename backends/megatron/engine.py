@@ -56,6 +56,10 @@ def check_engine_config(config: EngineConfig) -> None:
     from backends.megatron.model import check_model_fits
 
     par, opt = config.megatron, config.optim
+    if config.lora.rank > 0:
+        raise EngineConfigError(f"actor.lora.rank={config.lora.rank}: LoRA adapters are not implemented by the "
+                                f"megatron engine (actor.backend=megatron); set actor.lora.rank=0 or "
+                                f"actor.backend=fsdp")
     for key in ("tp", "pp", "vpp", "cp"):
         if int(getattr(par, key)) < 1:
             raise EngineConfigError(f"actor.megatron.{key} must be >= 1, got {getattr(par, key)}")

@@ -8,6 +8,10 @@ The checkpoint's saved run config names the backend and the architecture. FSDP (
 folder gets config.json (the starting checkpoint's own when ``model.hf_path`` was set), the weights as safetensors,
 generation_config.json and the run's tokenizer files; ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``
 loads it. ``--verify`` then compares transformers' logits with the project's model on random tokens.
+
+A LoRA run's checkpoint (``actor.lora.rank`` > 0) holds the frozen base and the adapters: the folder gets the merged
+weights ``W + (alpha / rank) B A``, and ``--adapter-out DIR`` also writes the adapters alone as a PEFT adapter folder
+that ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the base model.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class ExportResult:
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     max_logit_diff: float | None = None
+    adapter_files: list[str] = field(default_factory=list)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -130,10 +135,28 @@ def _verify(out: str, seed: int = 0) -> float:
     return float((a - b).abs().max())
 
 
+def _lora_spec(run_cfg: dict[str, Any], weights: dict[str, torch.Tensor], path: Path):
+    """The run's LoRA settings when its checkpoint holds adapters, else None (adapters without settings: refused)."""
+    from backends.config import LoraConfig
+    from backends.model.lora import is_adapter_name
+
+    has = any(is_adapter_name(n) for n in weights)
+    plain = (run_cfg.get("actor") or {}).get("lora") or {}
+    try:
+        lora = LoraConfig(**plain)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{path}: the saved actor.lora config is not valid here: {exc}") from exc
+    if has != lora.enabled:
+        raise ExportError(f"{path}: the checkpoint {'holds' if has else 'holds no'} LoRA adapters but the saved "
+                          f"config has actor.lora.rank={lora.rank}")
+    return lora.spec() if has else None
+
+
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32",
                       overwrite: bool = False, verify: bool = False,
-                      max_shard_bytes: int | None = None) -> ExportResult:
-    """Export one checkpoint (or a run folder's latest) to the Hugging Face folder ``out``."""
+                      max_shard_bytes: int | None = None, adapter_out: str | os.PathLike | None = None) -> ExportResult:
+    """Export one checkpoint (or a run folder's latest) to the Hugging Face folder ``out`` (adapters merged);
+    ``adapter_out``: also the LoRA adapters alone, as a PEFT folder."""
     from backends.model.hf_export import save_hf_checkpoint
     from protocol.rollout.tokenizer import load_tokenizer, resolve_tokenizer
 
@@ -141,12 +164,23 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
         raise ExportError(f"--dtype {dtype}: expected one of {list(_DTYPES)}")
     path = resolve_checkpoint(checkpoint)
     out = os.fspath(out)
-    if os.path.isdir(out) and os.listdir(out):
-        if not overwrite:
-            raise ExportError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
-        shutil.rmtree(out)
+    targets = [("--out", out)] + ([("--adapter-out", os.fspath(adapter_out))] if adapter_out else [])
+    for flag, folder in targets:
+        if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
+            raise ExportError(f"{flag} {folder} exists and is not empty; choose a new folder or pass --overwrite")
     backend, step, run_cfg, weights = read_checkpoint(path)
     cfg = _model_config(run_cfg["model"], path)
+    spec = _lora_spec(run_cfg, weights, path)
+    if adapter_out and spec is None:
+        raise ExportError(f"--adapter-out: {path} was not trained with LoRA (actor.lora.rank=0), it has no adapters")
+    for _, folder in targets:
+        if os.path.isdir(folder) and os.listdir(folder):
+            shutil.rmtree(folder)
+    adapters = weights
+    if spec is not None:
+        from backends.model.lora import merge_adapters
+
+        weights = merge_adapters(weights, spec.scale)
     source = cfg.hf_path if cfg.hf_path and os.path.isdir(cfg.hf_path) else ""
     result = ExportResult(checkpoint=str(path), backend=backend, step=step, out=out)
     if cfg.hf_path and not source:
@@ -164,6 +198,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
         before = set(os.listdir(out))
         tokenizer.save_pretrained(out)
         result.files += sorted(set(os.listdir(out)) - before)
+    if spec is not None:
+        result.notes.append(f"LoRA adapters (rank {spec.rank}, alpha {spec.alpha:g}, on {', '.join(spec.targets)}) "
+                            f"merged into the weights")
+        if adapter_out:
+            from backends.model.peft_export import save_peft_adapter
+
+            result.adapter_files = save_peft_adapter(os.fspath(adapter_out), adapters, spec,
+                                                     base_model=cfg.hf_path, dtype=_DTYPES[dtype])
     if verify:
         result.max_logit_diff = _verify(out)
     return result
@@ -179,16 +221,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     parser.add_argument("--verify", action="store_true",
                         help="reload with transformers and compare its logits with the project's model")
+    parser.add_argument("--adapter-out", default=None,
+                        help="a LoRA run only: also write its adapters as a PEFT adapter folder here")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of this size")
     args = parser.parse_args(argv)
     try:
         res = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite,
-                                verify=args.verify, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+                                verify=args.verify, max_shard_bytes=int(args.max_shard_gb * 1024**3),
+                                adapter_out=args.adapter_out)
     except (ValueError, KeyError) as exc:  # every refusal above and the loaders' errors name the problem
         print(f"export error: {exc}", file=sys.stderr)
         return 2
     print(f"exported {res.backend} checkpoint {res.checkpoint} (step {res.step}) to {res.out}: "
           f"{', '.join(res.files)}")
+    if res.adapter_files:
+        print(f"PEFT adapter written to {args.adapter_out}: {', '.join(res.adapter_files)}")
     for note in res.notes:
         print(f"note: {note}")
     if res.max_logit_diff is not None:
