@@ -119,13 +119,14 @@ def local_rows(param) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_hf_shards(model, path: str) -> int:
+def load_hf_shards(model, path: str, skip: tuple[str, ...] = ()) -> int:
     """Fill ``model`` (fully sharded, materialised with ``to_empty``) from the Hugging Face checkpoint ``path``.
 
     Each rank reads only its own rows of each parameter from the safetensors files (one file or a sharded
     ``model.safetensors.index.json``), so no rank ever holds the full model. Names, shapes and missing or unexpected
     weights are checked against the config from the file headers before any data is read. Returns the number of
-    bytes this rank read.
+    bytes this rank read. ``skip``: parameters of ``model`` that no checkpoint holds (a critic's value head), left
+    for the caller to fill.
     """
     from backends.model.hf import convert_hf_state_dict, to_hf_state_dict
     from backends.model.hf_files import SafetensorsFolder
@@ -134,7 +135,7 @@ def load_hf_shards(model, path: str) -> int:
     folder = SafetensorsFolder(path)
     headers = {n: torch.empty(folder.shape(n), device="meta") for n in folder.names()}
     convert_hf_state_dict(headers, cfg)  # missing / unexpected / misshapen weights, named, before reading data
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if n not in skip}
     hf_names = {project: hf for hf, project in to_hf_state_dict({n: n for n in params}, cfg).items()}
     read = 0
     for name, p in params.items():
