@@ -119,6 +119,7 @@ class CriticConfig:
     enabled: bool = False
     hf_path: str = ""  # "" = the actor's starting weights (model.hf_path, or the seeded init); the head is new
     cliprange_value: float = 0.5
+    warmup_steps: int = 0  # first steps that train only the critic (the reference system's trainer.critic_warmup)
     optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
     fsdp: CriticFSDPConfig = field(default_factory=CriticFSDPConfig)
 
@@ -317,6 +318,8 @@ def _check_critic(cfg: RunConfig) -> None:
                           f"(see the critic.* section), or choose an estimator without a critic")
     if not c.enabled:
         return
+    if c.warmup_steps < 0:
+        raise ConfigError(f"critic.warmup_steps must be >= 0, got {c.warmup_steps}")
     if not (math.isfinite(c.cliprange_value) and c.cliprange_value > 0):
         raise ConfigError(f"critic.cliprange_value must be a finite number > 0, got {c.cliprange_value!r}")
     if est not in CRITIC_ESTIMATORS:

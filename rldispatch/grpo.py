@@ -612,11 +612,13 @@ class GRPOTrainer:
         return full
 
     def _update_actor(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
-        updates = [self.bridge.train(mb.meta(full), mb.micro_batches, use_kl_loss=self.cfg.actor.loss.use_kl_loss,
-                                     wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
-                   for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
-        st.metrics.update(combine_update_metrics(updates))
+        if self.critic is None or st.step >= self.cfg.critic.warmup_steps:  # the critic's warm-up: no update
+            shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
+            updates = [self.bridge.train(mb.meta(full), mb.micro_batches,
+                                         use_kl_loss=self.cfg.actor.loss.use_kl_loss,
+                                         wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
+                       for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
+            st.metrics.update(combine_update_metrics(updates))
         self._sample_metrics(st.own, st.own_pad, st.stats)
         return full
 

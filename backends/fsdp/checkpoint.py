@@ -129,6 +129,7 @@ def load_hf_shards(model, path: str, skip: tuple[str, ...] = ()) -> int:
     for the caller to fill.
     """
     from backends.model.hf import convert_hf_state_dict, to_hf_state_dict
+    from backends.model.llama import parameter_shapes
     from backends.model.hf_files import SafetensorsFolder
 
     cfg = model.cfg
@@ -136,7 +137,12 @@ def load_hf_shards(model, path: str, skip: tuple[str, ...] = ()) -> int:
     headers = {n: torch.empty(folder.shape(n), device="meta") for n in folder.names()}
     convert_hf_state_dict(headers, cfg)  # missing / unexpected / misshapen weights, named, before reading data
     params = {n: p for n, p in model.named_parameters() if n not in skip}
-    hf_names = {project: hf for hf, project in to_hf_state_dict({n: n for n in params}, cfg).items()}
+    # the decoder's full name set (a critic has no lm_head to read); a parameter outside it is an error below
+    hf_names = {project: hf for hf, project in to_hf_state_dict({n: n for n in parameter_shapes(cfg)}, cfg).items()}
+    unknown = sorted(set(params) - set(hf_names))
+    if unknown:
+        raise CheckpointError(f"parameters {unknown[:6]} have no weight in a Hugging Face checkpoint; pass them as "
+                              f"skip= and fill them otherwise")
     read = 0
     for name, p in params.items():
         start, stop = local_rows(p)
