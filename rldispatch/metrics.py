@@ -182,8 +182,8 @@ def explained_variance(n: float, sum_r: float, sum_rr: float, sum_d: float, sum_
     ``critic/vf_explained_var``) from the step's sums over its ``n`` policy tokens: of the returns ``r``, their
     squares, the residuals ``d = r - v`` and their squares. NaN below 2 tokens.
 
-    >>> round(explained_variance(3, 6.0, 14.0, 0.0, 0.0), 6)  # returns 1, 2, 3 predicted exactly
-    0.99999
+    >>> round(explained_variance(3, 6.0, 14.0, 1.0, 1.0), 4)  # returns 1, 2, 3; values 1, 2, 2
+    0.6667
     """
     if n < 2:
         return math.nan
