@@ -145,8 +145,9 @@ class FSDPCriticEngine(FSDPEngine):
 
     @torch.no_grad()
     def infer_batch(self, share: Share, *, temperature: float = 1.0, with_entropy: bool = False):
-        """``values`` of every response token, jagged, in share order, on SP rank 0 of each replica
-        (``temperature`` is a policy's setting: a value does not depend on it)."""
+        """``values`` of the response tokens, jagged, in share order, on SP rank 0 of each replica; 0 where
+        ``response_mask`` is 0 (observation tokens, padding samples), as the policy's tokens alone have values.
+        ``temperature`` is a policy's setting: a value does not depend on it."""
         if with_entropy:
             raise ValueError("a critic has no entropy: call infer_batch with with_entropy=False")
         view = read_share(share, train=False, max_tokens=self.config.max_token_len_per_gpu)
@@ -155,8 +156,8 @@ class FSDPCriticEngine(FSDPEngine):
         try:
             for mb in share.micro_batches:
                 rls = [view.response_lens[j] for j in mb]
-                for j, x in zip(mb, self._values(view, mb).split(rls)):
-                    out[j] = x.float().cpu()
+                for j, x in zip(mb, self._values(view, mb).split(rls)):  # values live on policy tokens only
+                    out[j] = torch.where(view.response_mask[j].bool(), x.float().cpu(), 0.0)
         finally:
             self.model.train()
         if not self.is_reporting_rank:

@@ -91,7 +91,7 @@ def test_fsdp_critic_starts_from_a_hf_checkpoint(tmp_path):
     try:
         engine = FSDPCriticEngine(EngineConfig(model=cfg, seed=4), None)
         ids = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)]
-        masks = [torch.ones(4, dtype=torch.long), torch.ones(2, dtype=torch.long)]
+        masks = [torch.tensor([1, 0, 1, 1]), torch.ones(2, dtype=torch.long)]  # an observation token: value 0
         data = TensorDict({"input_ids": to_nested(ids), "response_mask": to_nested(masks)}, batch_size=[2])
         got = engine.infer_batch(Share(data, [[0, 1]]))["values"]
         weights = engine.get_weights()
@@ -104,5 +104,5 @@ def test_fsdp_critic_starts_from_a_hf_checkpoint(tmp_path):
     with torch.no_grad():
         for row, m, v in zip(ids, masks, got.unbind()):
             L, r = len(row), len(m)
-            want = critic(row, torch.arange(L), torch.tensor([0, L], dtype=torch.int32))[L - r - 1:L - 1]
+            want = critic(row, torch.arange(L), torch.tensor([0, L], dtype=torch.int32))[L - r - 1:L - 1] * m
             torch.testing.assert_close(v, want, rtol=VALUE_TOL, atol=VALUE_TOL)

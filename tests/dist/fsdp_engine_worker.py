@@ -540,7 +540,7 @@ def mode_critic() -> None:
         if eng.is_reporting_rank:
             k = len(steps[0]) // eng.dp_size
             for j, s in enumerate(steps[0][eng.dp_rank * k:(eng.dp_rank + 1) * k]):
-                want = seq_values(plain, s["input_ids"], len(s["response_mask"])).detach()
+                want = seq_values(plain, s["input_ids"], len(s["response_mask"])).detach() * s["response_mask"]
                 if not torch.allclose(out["values"][j], want, rtol=1e-5, atol=1e-6):
                     raise AssertionError(f"critic values sp={sp}: sample {j} differs by "
                                          f"{(out['values'][j] - want).abs().max():.3e}")
