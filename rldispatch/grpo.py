@@ -665,7 +665,7 @@ class GRPOTrainer:
         if not own:
             return
         fields = ["prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask", "rm_scores",
-                  "advantages", "returns"] + (["values"] if self.critic is not None else [])
+                  "advantages", "returns"]  # values sit with the critic's inference share, not necessarily here
         td = self.store.read_local(own, TRAIN, fields)
         assert_invariants(td, keys=own, tags=self.store.tags_of(own, TRAIN))
 
