@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from backends.model.config import ModelConfig
 from backends.model.lora import LORA_TARGETS, LoraSpec, resolve_targets
@@ -12,8 +12,8 @@ from protocol.algos.kl import KL_KINDS
 from protocol.algos.losses import LossAggMode
 from protocol.config import ConfigError, check_choices
 
-__all__ = ["EngineConfigError", "OptimConfig", "PolicyLossConfig", "FSDPConfig", "MegatronConfig", "LoraConfig",
-           "EngineConfig", "DtypeName"]
+__all__ = ["EngineConfigError", "OptimConfig", "PolicyLossConfig", "ValueLossConfig", "FSDPConfig", "MegatronConfig",
+           "LoraConfig", "EngineConfig", "DtypeName"]
 
 # dtype names of the FSDP mixed-precision policy; auto = bf16 on GPU, fp32 on CPU
 DtypeName = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
@@ -40,9 +40,10 @@ class OptimConfig:
     total_steps: int | None = None  # optimizer steps of the whole run (cosine decay length); None = the trainer's
     min_lr_ratio: float = 0.0
     clip_grad: float = 1.0
+    section: ClassVar[str] = "actor.optim"  # the dotted key its errors name (a critic's optimizer says critic.optim)
 
     def __post_init__(self) -> None:
-        check_choices(self, "actor.optim", EngineConfigError)
+        check_choices(self, self.section, EngineConfigError)
         # each bound keeps the first update finite: eps=0 divides 0 by 0 for a parameter whose gradient is 0,
         # beta >= 1 never forgets (and its bias correction divides by zero), a negative decay grows the weights
         # the optimizer keeps lr as a float32 scalar: beyond float32's range it overflows inside torch
@@ -58,12 +59,12 @@ class OptimConfig:
             checks.append(("total_steps", self.total_steps, self.total_steps > 0, "a positive integer or null"))
         for name, value, ok, expected in checks:
             if not ok:
-                raise EngineConfigError(f"actor.optim.{name} must be {expected}, got {value!r}")
+                raise EngineConfigError(f"{self.section}.{name} must be {expected}, got {value!r}")
         if len(self.betas) != 2:
-            raise EngineConfigError(f"actor.optim.betas must be two numbers [beta1, beta2], got {list(self.betas)}")
+            raise EngineConfigError(f"{self.section}.betas must be two numbers [beta1, beta2], got {list(self.betas)}")
         for i, beta in enumerate(self.betas):
             if not 0 <= beta < 1:
-                raise EngineConfigError(f"actor.optim.betas[{i}] must be in [0, 1), got {beta!r}")
+                raise EngineConfigError(f"{self.section}.betas[{i}] must be in [0, 1), got {beta!r}")
 
 
 @dataclass
@@ -98,6 +99,23 @@ class PolicyLossConfig:
             raise EngineConfigError(f"actor.loss.clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
         if not self.kl_loss_coef >= 0.0:
             raise EngineConfigError(f"actor.loss.kl_loss_coef must be >= 0, got {self.kl_loss_coef}")
+
+
+@dataclass
+class ValueLossConfig:
+    """The critic's clipped value loss (:func:`protocol.algos.losses.value_loss`); the run fills ``loss_agg_mode``
+    and ``horizon`` from the actor's loss, so both models aggregate their tokens alike."""
+
+    cliprange_value: float = 0.5
+    loss_agg_mode: LossAggMode = "token-mean"
+    horizon: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choices(self, "critic", EngineConfigError)
+        if not (math.isfinite(self.cliprange_value) and self.cliprange_value > 0):
+            raise EngineConfigError(f"critic.cliprange_value must be a finite number > 0, got {self.cliprange_value!r}")
+        if self.horizon is not None and self.horizon <= 0:
+            raise EngineConfigError(f"the value loss's horizon must be a positive integer, got {self.horizon}")
 
 
 @dataclass
@@ -169,6 +187,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    value_loss: ValueLossConfig = field(default_factory=ValueLossConfig)  # read by a critic engine only
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

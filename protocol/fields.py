@@ -63,7 +63,7 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("token_level_rewards", _F, "response", "advantage", masked_zero=True),
     Field("advantages", _F, "response", "advantage", masked_zero=True),
     Field("returns", _F, "response", "advantage", masked_zero=True),
-    Field("values", _F, "response", "critic"),
+    Field("values", _F, "response", "critic", masked_zero=True),
 )}
 
 

@@ -64,11 +64,11 @@ class StoreBridge:
             self.store.kv_batch_put(meta.keys, meta.partition_id, TensorDict(out, batch_size=[len(meta)]))
         return meta
 
-    def train(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, use_kl_loss: bool,
-              wants: Sequence[Sequence[str]] | None = None) -> dict:
+    def train(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, use_kl_loss: bool = False,
+              wants: Sequence[Sequence[str]] | None = None, fields: Sequence[str] | None = None) -> dict:
         """One optimizer step on this rank's mini-batch share; returns the engine's metrics (``wants``: as
-        :meth:`fetch_infer_inputs`)."""
-        data = self._fetch(meta, train_fields(use_kl_loss), wants)
+        :meth:`fetch_infer_inputs`; ``fields``: what the engine reads, default the actor's :func:`train_fields`)."""
+        data = self._fetch(meta, train_fields(use_kl_loss) if fields is None else fields, wants)
         # padding samples are known by their tag; the engine counts them zero in every normaliser
         data.set("is_padding", torch.tensor([bool(t.get("is_padding", False)) for t in meta.tags], dtype=torch.bool))
         return self.engine.train_batch(Share(data, [list(mb) for mb in micro_batches]))

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
-from backends.config import EngineConfig, FSDPConfig, LoraConfig, MegatronConfig, OptimConfig, PolicyLossConfig
+from backends.config import (EngineConfig, FSDPConfig, LoraConfig, MegatronConfig, OptimConfig, PolicyLossConfig,
+                             ValueLossConfig)
 from backends.model.config import ModelConfig
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
 from dispatch.topology import BackendName, ParallelSection, Topology
@@ -75,7 +77,7 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # a registered estimator of protocol.algos.advantage, except gae (needs a critic)
+    adv_estimator: str = "grpo"  # a registered estimator of protocol.algos.advantage (gae needs critic.enabled)
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
@@ -111,6 +113,30 @@ class ActorConfig:
     def parallel(self) -> ParallelSection:
         """The active backend's section (``fsdp`` or ``megatron``): its parallel degrees build the topology."""
         return self.fsdp if self.backend == "fsdp" else self.megatron
+
+
+@dataclass
+class CriticOptimConfig(OptimConfig):
+    """The critic's own optimizer (same keys and defaults as ``actor.optim``)."""
+
+    section: ClassVar[str] = "critic.optim"
+
+
+@dataclass
+class CriticFSDPConfig(FSDPConfig):
+    """The critic's own FSDP section (mesh, dtypes, activation checkpointing); its logical DP must be the actor's."""
+
+
+@dataclass
+class CriticConfig:
+    """A value model trained beside the actor (PPO with ``algorithm.adv_estimator=gae``); FSDP only."""
+
+    enabled: bool = False
+    hf_path: str = ""  # "" = the actor's starting weights (model.hf_path, or the seeded init); the head is new
+    cliprange_value: float = 0.5
+    warmup_steps: int = 0  # first steps that train only the critic (the reference system's trainer.critic_warmup)
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
+    fsdp: CriticFSDPConfig = field(default_factory=CriticFSDPConfig)
 
 
 @dataclass
@@ -175,6 +201,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     trace: TraceConfig = field(default_factory=TraceConfig)
@@ -200,6 +227,21 @@ class RunConfig:
             dist_timeout_s=self.trainer.dist_timeout_s, rollback_nonfinite=self.trainer.on_nonfinite == "skip",
         )
 
+    def critic_engine_config(self) -> EngineConfig:
+        """The critic engine's view: the actor's architecture (``critic.hf_path`` as its start when given), the
+        critic's optimizer and FSDP section, the actor's loss aggregation with ``critic.cliprange_value``; no adapters."""
+        actor = self.engine_config()
+        c = self.critic
+        model = dataclasses.replace(self.model, hf_path=c.hf_path) if c.hf_path else self.model
+        optim = c.optim
+        if optim.total_steps is None:
+            optim = dataclasses.replace(optim, total_steps=actor.optim.total_steps)
+        value_loss = ValueLossConfig(cliprange_value=c.cliprange_value, loss_agg_mode=actor.loss.loss_agg_mode,
+                                     horizon=actor.loss.horizon)
+        # the critic trains all its weights: actor.lora adapts the policy only
+        return dataclasses.replace(actor, model=model, optim=optim, fsdp=c.fsdp, value_loss=value_loss,
+                                   lora=LoraConfig())
+
     def topology_config(self) -> ParallelSection:
         """The active backend's parallel section, for ``dispatch.Topology.from_config`` (same as ``actor.parallel``)."""
         return self.actor.parallel
@@ -218,6 +260,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_registered(cfg)
     _check_reward(cfg)
     _check_data_section(cfg.data)
+    _check_critic(cfg)
     if cfg.actor.backend == "megatron":
         from backends.megatron.engine import check_engine_config
 
@@ -293,12 +336,9 @@ def _check_registered(cfg: RunConfig) -> None:
     from protocol.algos.kl import KL_KINDS
     from protocol.rollout.agent_loop import known_agent_loops
 
-    critic_free = [n for n in known_advantages() if n != "gae"]
-    if cfg.algorithm.adv_estimator not in critic_free:
-        hint = " (gae needs a critic's values, which this trainer does not run)" \
-            if cfg.algorithm.adv_estimator == "gae" else ""
-        raise ConfigError(f"algorithm.adv_estimator must be one of {critic_free}, got "
-                          f"{cfg.algorithm.adv_estimator!r}{hint}")
+    if cfg.algorithm.adv_estimator not in known_advantages():
+        raise ConfigError(f"algorithm.adv_estimator must be one of {known_advantages()}, got "
+                          f"{cfg.algorithm.adv_estimator!r}")
     if cfg.algorithm.kl_penalty not in KL_KINDS:
         raise ConfigError(f"algorithm.kl_penalty must be one of {list(KL_KINDS)}, got {cfg.algorithm.kl_penalty!r}")
     loops = known_agent_loops()
@@ -348,6 +388,50 @@ def check_environment(cfg: RunConfig) -> None:
             if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
                 raise ConfigError(f"data.{key}: {f} does not exist, and data.task={d.task!r} cannot generate it: "
                                   f"{folder} is not a folder this process can write")
+
+
+#: estimators that read a critic's values
+CRITIC_ESTIMATORS = ("gae",)
+
+
+def _check_critic(cfg: RunConfig) -> None:
+    """A critic exactly when the estimator reads values; on FSDP; with the actor's logical DP (one plan serves
+    both); a ``critic.hf_path`` of the actor's architecture."""
+    est, c = cfg.algorithm.adv_estimator, cfg.critic
+    if est in CRITIC_ESTIMATORS and not c.enabled:
+        raise ConfigError(f"algorithm.adv_estimator={est} needs a critic's values: set critic.enabled=true "
+                          f"(see the critic.* section), or choose an estimator without a critic")
+    if not c.enabled:
+        return
+    if c.warmup_steps < 0:
+        raise ConfigError(f"critic.warmup_steps must be >= 0, got {c.warmup_steps}")
+    if not (math.isfinite(c.cliprange_value) and c.cliprange_value > 0):
+        raise ConfigError(f"critic.cliprange_value must be a finite number > 0, got {c.cliprange_value!r}")
+    if est not in CRITIC_ESTIMATORS:
+        raise ConfigError(f"critic.enabled=true but algorithm.adv_estimator={est} reads no values (only "
+                          f"{list(CRITIC_ESTIMATORS)} do): set algorithm.adv_estimator=gae or critic.enabled=false")
+    if cfg.actor.backend != "fsdp":
+        raise ConfigError(f"critic.enabled=true with actor.backend={cfg.actor.backend}: the critic runs on the FSDP "
+                          f"backend only (no Megatron critic yet); set actor.backend=fsdp, or critic.enabled=false "
+                          f"with algorithm.adv_estimator=grpo")
+    if c.fsdp.ulysses_sp != cfg.actor.fsdp.ulysses_sp:
+        raise ConfigError(f"critic.fsdp.ulysses_sp ({c.fsdp.ulysses_sp}) must equal actor.fsdp.ulysses_sp "
+                          f"({cfg.actor.fsdp.ulysses_sp}): the critic's logical DP (world / ulysses_sp) must be the "
+                          f"actor's, since one dispatch plan serves both")
+    if c.hf_path:
+        from backends.model.hf import HFCheckpointError, read_hf_config
+
+        try:
+            found = read_hf_config(c.hf_path)
+        except HFCheckpointError as exc:
+            raise ConfigError(f"critic.hf_path: {exc}") from exc
+        diff = sorted(f.name for f in dataclasses.fields(found) if f.name not in ("hf_path", "init_std")
+                      and getattr(found, f.name) != getattr(cfg.model, f.name))
+        if diff:
+            raise ConfigError(f"critic.hf_path={c.hf_path!r}: its architecture differs from the actor's in "
+                              + ", ".join(f"{k} ({getattr(found, k)!r} vs model.{k}={getattr(cfg.model, k)!r})"
+                                          for k in diff)
+                              + "; the critic shares the actor's architecture")
 
 
 def _check_reward(cfg: RunConfig) -> None:

@@ -1,8 +1,9 @@
 """The synchronous GRPO step, wired from protocol, dispatch and backends; every rank runs this code (SPMD).
 
 One step: prompts -> uid per prompt -> rollout on each DP replica's reporting rank -> store -> reward ->
-balance and dispatch plan -> old log-probs -> reference log-probs -> KL -> advantage -> actor update
-(ppo_epochs x mini-batches) -> metrics -> ``kv_clear`` of every key of the step -> weight sync to the rollout.
+balance and dispatch plan -> old log-probs -> reference log-probs -> KL -> (with a critic: values) -> advantage ->
+(critic update) -> actor update (ppo_epochs x mini-batches) -> metrics -> ``kv_clear`` of every key of the step ->
+weight sync to the rollout.
 
 The controller holds :class:`protocol.store.meta.KVBatchMeta` objects only; values stay where they were produced and
 move point to point through :class:`trainer.dataplane.ShardedStore`.
@@ -34,7 +35,8 @@ from tensordict import TensorDict
 from backends.base import get_engine_class
 from backends.comm import allreduce_counts
 from dispatch import Topology
-from protocol.algos.advantage import compute_advantage, get_advantage_fn, session_inputs_from_keys
+from protocol.algos.advantage import (compute_advantage, get_advantage_fn, session_inputs_from_keys,
+                                     whiten_by_moments, whiten_moments)
 from protocol.rollout.agent_loop import build_agent_loop, builtin_tools, run_groups
 from protocol.rollout.dataset import DatasetError, RLHFDataset, ground_truth_of
 from protocol.invariants import assert_invariants
@@ -58,7 +60,7 @@ from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
 from rldispatch.gc_policy import StepGC
 from rldispatch.metrics import (
-    MetricsLogger, StepStats, Timer, distributed_masked_stats, sample_lengths,
+    MetricsLogger, StepStats, Timer, distributed_masked_stats, explained_variance, sample_lengths,
 )
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, prepare_step_plan
@@ -154,9 +156,13 @@ def batch_indices(num_rows: int, batch_size: int, step: int, seed: int, shuffle:
 
 #: Stages whose time is the models' (rollout generation, log-probs of the policy and the reference, the update,
 #: the weight sync); every other stage (sample, plan, reward, advantage, clear) is the step's own overhead.
-MODEL_STAGES = ("rollout", "old_log_prob", "ref", "update", "weight_sync")
+MODEL_STAGES = ("rollout", "old_log_prob", "ref", "values", "critic_update", "update", "weight_sync")
 #: what the advantage stage writes, on the rank that generated each group
 ADVANTAGE_FIELDS = ("token_level_scores", "token_level_rewards", "advantages", "returns")
+#: what the critic's update reads
+CRITIC_FIELDS = ("input_ids", "response_mask", "values", "returns")
+#: the step's sums behind ``critic/vf_explained_var`` (reduced with the other metrics, then replaced by it)
+_EV_SUMS = tuple(f"critic/explained_var_sums/{k}" for k in ("n", "r", "rr", "d", "dd"))
 
 
 def overhead_fraction(times: dict[str, float], step_seconds: float) -> float:
@@ -171,15 +177,16 @@ _SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
 _LAST = ("global_step", "lr")
 
 
-def combine_update_metrics(updates: Sequence[dict[str, float]]) -> dict[str, float]:
-    """One step's ``actor/*`` metrics from its optimizer steps: counts add up, lr is the last, the rest average."""
+def combine_update_metrics(updates: Sequence[dict[str, float]], prefix: str = "actor/") -> dict[str, float]:
+    """One step's ``actor/*`` (or ``critic/*``) metrics from its optimizer steps: counts add up, lr is the last, the
+    rest average."""
     out: dict[str, float] = {}
     for k in sorted({k for u in updates for k in u}):
         vals = [float(u[k]) for u in updates if u.get(k) is not None]
         if not vals:
             continue
-        out[f"actor/{k}"] = sum(vals) if k in _SUMMED else vals[-1] if k in _LAST else sum(vals) / len(vals)
-    out["actor/optimizer_steps"] = float(len(updates))
+        out[f"{prefix}{k}"] = sum(vals) if k in _SUMMED else vals[-1] if k in _LAST else sum(vals) / len(vals)
+    out[f"{prefix}optimizer_steps"] = float(len(updates))
     return out
 
 
@@ -238,9 +245,12 @@ class GRPOTrainer:
         self.ref_engine = build_reference(cfg.actor.backend, engine_cls, cfg.engine_config(), self.topology,
                                           self.engine) if cfg.ref.enabled else None
 
+        self.critic = self._build_critic() if cfg.critic.enabled else None
+
         self.store = ShardedStore(LocalStore(), device=ctx.device)
         self.bridge = StoreBridge(self.engine, self.store)
         self.ref_bridge = StoreBridge(self.ref_engine, self.store) if self.ref_engine is not None else None
+        self.critic_bridge = StoreBridge(self.critic, self.store) if self.critic is not None else None
         self.replay = ReplayBuffer(self.store, TRAIN, parameter_sync_step=cfg.replay.parameter_sync_step,
                                    max_off_policy_threshold=cfg.replay.max_off_policy_threshold,
                                    off_policy_strategy=cfg.replay.off_policy_strategy,
@@ -278,6 +288,18 @@ class GRPOTrainer:
                                filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check)
         except (DatasetError, RewardError) as exc:  # every rank reads the same files: all stop here alike
             raise ConfigError(f"data.{key}: {exc}") from exc
+
+    def _build_critic(self):
+        """The value model on its own FSDP section; its topology must give the actor's DP ranks (one plan)."""
+        from backends.fsdp.critic import FSDPCriticEngine
+
+        topology = Topology.from_config(self.cfg.critic.fsdp, self.ctx.world)
+        if topology.dp_size != self.topology.dp_size or \
+                [topology.dp_rank(r) for r in range(self.ctx.world)] != \
+                [self.topology.dp_rank(r) for r in range(self.ctx.world)]:
+            raise ConfigError(f"critic.fsdp gives logical DP {topology.dp_size}, the actor's section gives "
+                              f"{self.topology.dp_size}: the critic must have the actor's DP ranks")
+        return FSDPCriticEngine(self.cfg.critic_engine_config(), topology)
 
     def _ensure_data(self) -> None:
         """Generate the configured task's parquet files on first use (rank 0), so the quick start needs no download."""
@@ -330,6 +352,7 @@ class GRPOTrainer:
                 changes = []
             try:
                 extra = self.engine.load_checkpoint(str(path))
+                self._load_critic(path, int(extra["step"]))
                 error = ""
             except Exception as exc:  # a damaged or partial checkpoint: say why, try the previous one
                 extra, error = {}, f"{type(exc).__name__}: {exc}"
@@ -356,6 +379,17 @@ class GRPOTrainer:
             logger.info("resumed from %s at step %d%s", path, self.step,
                         f"; dropped {dropped} metrics records after it" if dropped else "")
 
+    def _load_critic(self, path: Path, step: int) -> None:
+        """The critic's state from ``path/critic`` (written beside the actor's), for the same step."""
+        if self.critic is None:
+            return
+        folder = path / "critic"
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{path} holds no critic (no {folder.name}/ folder) but critic.enabled=true")
+        saved = int(self.critic.load_checkpoint(str(folder)).get("step", -1))
+        if saved != step:
+            raise ValueError(f"{folder}: the critic was saved at step {saved}, the actor at step {step}")
+
     def save_checkpoint(self) -> None:
         """Write into ``step_N.partial`` and rename when every rank is done; ``latest`` names it only then, so a
         killed save leaves the previous checkpoint as the newest intact one."""
@@ -367,6 +401,8 @@ class GRPOTrainer:
         self.engine.save_checkpoint(str(partial), extra_state={"step": self.step,
                                                                 "kl_coef": float(self.kl_ctrl.value),
                                                                 "config": to_plain(self.cfg)})
+        if self.critic is not None:  # beside the actor's; an export reads the actor's weights only
+            self.critic.save_checkpoint(str(partial / "critic"), extra_state={"step": self.step})
         dist.barrier()
         if self.ctx.is_main:
             write_run_record(partial, self.step, to_plain(self.cfg))
@@ -440,7 +476,11 @@ class GRPOTrainer:
         batch = self._stage("old_log_prob", st, self._compute_old_log_prob, batch)  # 5. old log-probs, entropy
         if self.ref_bridge is not None:
             batch = self._stage("ref", st, self._compute_ref_log_prob, batch)  # 6. reference log-probs, KL
+        if self.critic_bridge is not None:
+            batch = self._stage("values", st, self._compute_values, batch)   # 6b. the critic's values
         batch = self._stage("advantage", st, self._compute_advantage, batch)  # 7. rewards -> advantages
+        if self.critic_bridge is not None:
+            batch = self._stage("critic_update", st, self._update_critic, batch)  # 7b. value loss, same batches
         batch = self._stage("update", st, self._update_actor, batch)         # 8. ppo_epochs x mini-batches
         self._stage("clear", st, self._clear, batch)                         # 9. kv_clear of the whole step
         self._stage("weight_sync", st, self._sync_weights, batch)            # 10. new weights to the rollout
@@ -528,7 +568,7 @@ class GRPOTrainer:
         st.mine = st.plan.rank_meta(full, self.dp_rank)
         recompute = cfg.rollout.log_prob_mode == "recompute"
         st.infer_inputs = self.bridge.fetch_infer_inputs(st.mine, self._infer_wants(st)) \
-            if recompute or self.ref_bridge is not None else None
+            if recompute or self.ref_bridge is not None or self.critic_bridge is not None else None
         if recompute:
             self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
                               outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
@@ -547,6 +587,14 @@ class GRPOTrainer:
         self.store.sync()
         self._kl_metrics(st, st.infer_inputs)
         self._trace("ref", st.sampled, ["ref_log_prob"], "ref.infer_batch", "kl")
+        return full
+
+    def _compute_values(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+        """The critic's value of every response token, on the inference share the log-probs used (no new fetch)."""
+        self.critic_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank), outputs={"values": "values"},
+                                 data=st.infer_inputs)
+        self.store.sync()
+        self._trace("values", st.sampled, ["values"], "critic.infer_batch", "advantage")
         return full
 
     def _kl_metrics(self, st: "StepState", inputs: TensorDict) -> None:
@@ -569,7 +617,7 @@ class GRPOTrainer:
         stats.masked("kl", kl_vals, pad)
 
     def _compute_advantage(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        self._advantage(st.owners, st.own_pad)
+        self._advantage(st.owners, st.own_pad, st.stats)
         # each rank wrote its own groups' fields, which every rank knows: their locations need no collective
         self.store.sync_planned(st.owners, TRAIN, ADVANTAGE_FIELDS)
         self._trace("advantage", st.sampled, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
@@ -578,12 +626,24 @@ class GRPOTrainer:
         return full
 
     def _update_actor(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
-        updates = [self.bridge.train(mb.meta(full), mb.micro_batches, use_kl_loss=self.cfg.actor.loss.use_kl_loss,
-                                     wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
-                   for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
-        st.metrics.update(combine_update_metrics(updates))
+        if self.critic is None or st.step >= self.cfg.critic.warmup_steps:  # the critic's warm-up: no update
+            shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
+            updates = [self.bridge.train(mb.meta(full), mb.micro_batches,
+                                         use_kl_loss=self.cfg.actor.loss.use_kl_loss,
+                                         wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
+                       for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
+            st.metrics.update(combine_update_metrics(updates))
         self._sample_metrics(st.own, st.own_pad, st.stats)
+        return full
+
+    def _update_critic(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+        """The value loss over the actor's mini- and micro-batches (ppo_epochs x mini-batches, one optimizer step
+        each)."""
+        shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
+        updates = [self.critic_bridge.train(mb.meta(full), mb.micro_batches, fields=CRITIC_FIELDS,
+                                            wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
+                   for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
+        st.metrics.update(combine_update_metrics(updates, prefix="critic/"))
         return full
 
     def _clear(self, full: KVBatchMeta, st: "StepState") -> None:
@@ -602,6 +662,8 @@ class GRPOTrainer:
         st.stats.per_rank("dataplane/bytes_received", self.store.bytes_received)
         self.store.bytes_received = 0
         m.update(st.stats.reduce(device=self.ctx.device))  # the step's one metrics collective
+        if _EV_SUMS[0] in m:
+            m["critic/vf_explained_var"] = explained_variance(*(m.pop(k) for k in _EV_SUMS))
         if isinstance(self.kl_ctrl, AdaptiveKLController) and "kl/mean" in m:
             self.kl_ctrl.update(m["kl/mean"], n_steps=self.cfg.data.train_batch_size)
         m["kl/coef"] = float(self.kl_ctrl.value)
@@ -617,7 +679,7 @@ class GRPOTrainer:
         if not own:
             return
         fields = ["prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask", "rm_scores",
-                  "advantages", "returns"]
+                  "advantages", "returns"]  # values sit with the critic's inference share, not necessarily here
         td = self.store.read_local(own, TRAIN, fields)
         assert_invariants(td, keys=own, tags=self.store.tags_of(own, TRAIN))
 
@@ -645,7 +707,7 @@ class GRPOTrainer:
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
             self.store.kv_batch_put(pad, TRAIN, batch_of({"old_log_probs": to_nested(zeros)}, len(pad)))
 
-    def _advantage(self, owners: list[list[str]], pad: torch.Tensor) -> None:
+    def _advantage(self, owners: list[list[str]], pad: torch.Tensor, stats: StepStats) -> None:
         """On the rank that holds each group (all of a group is generated on one rank): rewards, advantages.
 
         ``owners[r]``: the keys rank ``r`` generated. Old and reference log-probs travel here only when the KL
@@ -654,8 +716,11 @@ class GRPOTrainer:
         own = owners[self.store.rank]
         cfg = self.cfg
         in_reward = cfg.algorithm.use_kl_in_reward  # config validation guarantees a reference
-        need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else [])
+        critic = self.critic is not None
+        need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else []) \
+            + (["values"] if critic else [])
         td = self.store.fetch_planned(owners, TRAIN, need)
+        moments = [0.0, 0.0, 0.0]
         if own:
             lengths = nested_lengths(td["response_mask"])
             mask = jagged_to_padded(td["response_mask"]).float()
@@ -670,13 +735,35 @@ class GRPOTrainer:
             kwargs = dict(token_level_rewards=rewards, response_mask=mask, index=index, is_padding=pad,
                           norm_adv_by_std=cfg.algorithm.norm_adv_by_std, gamma=cfg.algorithm.gamma,
                           lam=cfg.algorithm.lam)
+            if critic:  # whitened below over the whole step's policy tokens, not this rank's alone
+                kwargs.update(values=jagged_to_padded(td["values"]).float(), whiten=False)
             kwargs.update(session_inputs_from_keys(own))  # multi-output sessions: advantage of the final output
             takes = inspect.signature(get_advantage_fn(cfg.algorithm.adv_estimator)).parameters
             adv, ret = compute_advantage(cfg.algorithm.adv_estimator,
                                          **{k: v for k, v in kwargs.items() if k in takes})
+            if critic:
+                real = mask.bool() & ~pad[:, None]
+                moments = list(whiten_moments(adv, real))
+                self._value_metrics(kwargs["values"], ret, real, stats)
+        if critic:  # the one collective of a critic's advantage: the step's (count, sum, sum of squares)
+            moments = allreduce_counts(moments, device=self.ctx.device)
+        if own:
+            if critic:
+                adv = whiten_by_moments(adv, real, moments)
             values = (scores, rewards, adv.float(), ret.float())
             fields = dict(zip(ADVANTAGE_FIELDS, padded_to_jagged_many(values, lengths)))
             self.store.kv_batch_put(own, TRAIN, batch_of(fields, len(own)))
+
+    @staticmethod
+    def _value_metrics(values: torch.Tensor, returns: torch.Tensor, real: torch.Tensor, stats: StepStats) -> None:
+        """``critic/values/mean``, ``critic/returns/mean`` over the step's policy tokens, and the sums behind
+        ``critic/vf_explained_var`` (this rank's real samples; every rank's add up)."""
+        v, r = values[real].double(), returns[real].double()
+        stats.masked("critic/values", v, keep=("mean",))
+        stats.masked("critic/returns", r, keep=("mean",))
+        d = r - v
+        for name, x in zip(_EV_SUMS, (float(r.numel()), r.sum(), (r * r).sum(), d.sum(), (d * d).sum())):
+            stats.sum(name, float(x))
 
     def _sample_metrics(self, own: list[str], pad: torch.Tensor, stats: StepStats) -> None:
         """Response and policy length statistics over real samples (padding excluded), over all ranks."""
@@ -805,19 +892,22 @@ class GRPOTrainer:
     def _check_update(self, metrics: dict[str, float]) -> None:
         """A non-finite update was rolled back by the engine (``on_nonfinite=skip``: said and counted) or stops the
         run (``stop``)."""
-        bad = metrics.get("actor/nonfinite", 0.0)
-        if not bad:
-            return
-        detail = ", ".join(f"{k}={metrics.get(k)}" for k in ("actor/loss", "actor/grad_norm", "actor/lr"))
-        if self.cfg.trainer.on_nonfinite == "stop":
-            raise NonFiniteUpdateError(
-                f"step {self.step + 1}: {int(bad)} of {int(metrics.get('actor/optimizer_steps', 1))} optimizer steps "
-                f"gave non-finite weights or loss ({detail}); trainer.on_nonfinite=stop. Lower actor.optim.lr or "
-                "raise actor.optim.eps, or set trainer.on_nonfinite=skip to roll such updates back")
-        if self.ctx.is_main:
-            logger.warning("step %d: %d optimizer step(s) gave non-finite weights or loss (%s); rolled back to the "
-                           "pre-step weights and optimizer state (trainer.on_nonfinite=skip)", self.step + 1, int(bad),
-                           detail)
+        for model, loss in (("actor", "loss"), ("critic", "vf_loss")):
+            bad = metrics.get(f"{model}/nonfinite", 0.0)
+            if not bad:
+                continue
+            detail = ", ".join(f"{k}={metrics.get(k)}" for k in (f"{model}/{loss}", f"{model}/grad_norm",
+                                                                  f"{model}/lr"))
+            if self.cfg.trainer.on_nonfinite == "stop":
+                raise NonFiniteUpdateError(
+                    f"step {self.step + 1}: {int(bad)} of {int(metrics.get(f'{model}/optimizer_steps', 1))} "
+                    f"optimizer steps gave non-finite weights or loss ({detail}); trainer.on_nonfinite=stop. "
+                    f"Lower {model}.optim.lr or raise {model}.optim.eps, or set trainer.on_nonfinite=skip to roll "
+                    "such updates back")
+            if self.ctx.is_main:
+                logger.warning("step %d: %d %s optimizer step(s) gave non-finite weights or loss (%s); rolled back "
+                               "to the pre-step weights and optimizer state (trainer.on_nonfinite=skip)",
+                               self.step + 1, int(bad), model, detail)
 
 
 def run(cfg: RunConfig) -> int:

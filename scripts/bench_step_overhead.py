@@ -116,6 +116,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
                               prompt_key=cfg.data.prompt_key)
     t.store = ShardedStore(LocalStore())
     t.bridge, t.ref_bridge = StoreBridge(None, t.store), None
+    t.critic = t.critic_bridge = None  # no critic: the GRPO step
     t.replay = ReplayBuffer(t.store, "train", failure_policy=cfg.replay.failure_policy)
     t.rollout = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer),
                                  pool=size)

@@ -136,15 +136,17 @@ def local_rows(param) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_hf_shards(model, path: str) -> int:
+def load_hf_shards(model, path: str, skip: tuple[str, ...] = ()) -> int:
     """Fill ``model`` (fully sharded, materialised with ``to_empty``) from the Hugging Face checkpoint ``path``.
 
     Each rank reads only its own rows of each parameter from the safetensors files (one file or a sharded
     ``model.safetensors.index.json``), so no rank ever holds the full model. Names, shapes and missing or unexpected
     weights are checked against the config from the file headers before any data is read. Returns the number of
-    bytes this rank read.
+    bytes this rank read. ``skip``: parameters of ``model`` that no checkpoint holds (a critic's value head), left
+    for the caller to fill.
     """
     from backends.model.hf import convert_hf_state_dict, to_hf_state_dict
+    from backends.model.llama import parameter_shapes
     from backends.model.hf_files import SafetensorsFolder
 
     cfg = model.cfg
@@ -153,8 +155,14 @@ def load_hf_shards(model, path: str) -> int:
     convert_hf_state_dict(headers, cfg)  # missing / unexpected / misshapen weights, named, before reading data
     from backends.model.lora import is_adapter_name
 
-    params = {n: p for n, p in model.named_parameters() if not is_adapter_name(n)}  # adapters start from the seed
-    hf_names = {project: hf for hf, project in to_hf_state_dict({n: n for n in params}, cfg).items()}
+    # adapters start from the seed; a critic's head is filled by its caller (skip)
+    params = {n: p for n, p in model.named_parameters() if n not in skip and not is_adapter_name(n)}
+    # the decoder's full name set (a critic has no lm_head to read); a parameter outside it is an error below
+    hf_names = {project: hf for hf, project in to_hf_state_dict({n: n for n in parameter_shapes(cfg)}, cfg).items()}
+    unknown = sorted(set(params) - set(hf_names))
+    if unknown:
+        raise CheckpointError(f"parameters {unknown[:6]} have no weight in a Hugging Face checkpoint; pass them as "
+                              f"skip= and fill them otherwise")
     read = 0
     for name, p in params.items():
         start, stop = local_rows(p)

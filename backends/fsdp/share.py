@@ -32,6 +32,7 @@ class ShareView:
     advantages: list[torch.Tensor] | None = None
     ref_log_prob: list[torch.Tensor] | None = None
     is_padding: torch.Tensor | None = None
+    extra: dict[str, list[torch.Tensor]] | None = None  # the per-response fields asked for by name (``fields=``)
 
 
 def _rows(data, name: str, n: int) -> list[torch.Tensor]:
@@ -55,13 +56,18 @@ def _rows(data, name: str, n: int) -> list[torch.Tensor]:
     return rows
 
 
-def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_tokens: int | None = None) -> ShareView:
-    """Unpack ``share`` into per-sample rows, checking every field, length and the micro-batch token budget."""
+def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_tokens: int | None = None,
+               fields: tuple[str, ...] = ()) -> ShareView:
+    """Unpack ``share`` into per-sample rows, checking every field, length and the micro-batch token budget.
+
+    ``fields``: further per-response fields (each of length ``response_len``) to read into ``view.extra``, such as
+    the critic's ``values`` and ``returns``."""
     if not isinstance(share, Share):
         raise TypeError(f"expected a backends.base.Share, got {type(share).__name__}")
     data = share.data
     n = int(data.batch_size[0]) if len(data.batch_size) else 0
-    need = list(TRAIN_FIELDS if train else INFER_FIELDS) + (["ref_log_prob"] if train and use_kl_loss else [])
+    need = list(TRAIN_FIELDS if train else INFER_FIELDS) + (["ref_log_prob"] if train and use_kl_loss else []) \
+        + list(fields)
     present = set(data.keys())
     missing = [f for f in need if f not in present]
     if missing:
@@ -79,13 +85,17 @@ def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_toke
         if x.is_floating_point():
             raise TypeError(f"share field 'input_ids' must hold integer token ids, sample {i} has dtype {x.dtype}")
     view = ShareView(n=n, input_ids=ids, response_mask=rmask, seq_lens=seq_lens, response_lens=rlens)
-    if train:
-        for name in ("old_log_probs", "advantages") + (("ref_log_prob",) if use_kl_loss else ()):
-            rows = _rows(data, name, n)
-            for i, (x, r) in enumerate(zip(rows, rlens)):
-                if x.shape[0] != r:
-                    raise ShareError(f"share field {name!r} sample {i} has length {x.shape[0]}, expected "
-                                     f"response_len={r} (the length of its response_mask)")
+    per_response = (("old_log_probs", "advantages") + (("ref_log_prob",) if use_kl_loss else ()) if train else ()) \
+        + tuple(fields)
+    for name in per_response:
+        rows = _rows(data, name, n)
+        for i, (x, r) in enumerate(zip(rows, rlens)):
+            if x.shape[0] != r:
+                raise ShareError(f"share field {name!r} sample {i} has length {x.shape[0]}, expected "
+                                 f"response_len={r} (the length of its response_mask)")
+        if name in fields:
+            view.extra = {**(view.extra or {}), name: rows}
+        else:
             setattr(view, name, rows)
     if "is_padding" in present:
         pad = data.get("is_padding")

@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -45,6 +46,8 @@ __all__ = [
     "trajectory_scores",
     "session_inputs_from_keys",
     "masked_whiten",
+    "whiten_moments",
+    "whiten_by_moments",
     "grpo_advantage",
     "rloo_advantage",
     "reinforce_pp_baseline_advantage",
@@ -246,6 +249,32 @@ def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps:
     var = torch.where(m, (v - mean) ** 2, torch.zeros((), dtype=torch.float64, device=values.device)).sum()
     var = var / (count - 1) if count > 1 else var * 0.0
     out = (v - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(m, out.to(values.dtype), zero)
+
+
+def whiten_moments(values: Tensor, mask: Tensor) -> tuple[float, float, float]:
+    """``(count, sum, sum of squares)`` of ``values`` over masked positions, in float64: what the holders of parts
+    of a batch add up (one all-reduce) so that :func:`whiten_by_moments` whitens each part as the whole batch."""
+    m = mask.bool()
+    v = torch.where(m, values.to(torch.float64), torch.zeros((), dtype=torch.float64, device=values.device))
+    return float(m.sum()), float(v.sum()), float((v * v).sum())
+
+
+def whiten_by_moments(values: Tensor, mask: Tensor, moments: Sequence[float], *, shift_mean: bool = True,
+                      eps: float = 1e-8) -> Tensor:
+    """:func:`masked_whiten` of a part of a batch, with the whole batch's summed :func:`whiten_moments`: the mean
+    and the unbiased variance of every masked value of the batch. Zero where the mask is 0."""
+    count, total, total_sq = (float(x) for x in moments)
+    m = mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    if count == 0:
+        return torch.zeros_like(values)
+    mean = total / count
+    var = max(total_sq - total * mean, 0.0) / (count - 1) if count > 1 else 0.0
+    v = torch.where(m, values, zero).to(torch.float64)
+    out = (v - mean) / math.sqrt(var + eps)
     if not shift_mean:
         out = out + mean
     return torch.where(m, out.to(values.dtype), zero)

@@ -40,6 +40,7 @@ __all__ = [
     "policy_loss",
     "entropy_bonus",
     "kl_loss",
+    "value_loss",
 ]
 
 # how per-token losses become one number (config key actor.loss.loss_agg_mode)
@@ -243,3 +244,50 @@ def kl_loss(
     ref = _masked(ref_log_prob.detach().to(log_prob.dtype), mask)
     kld = kl_penalty(_masked(log_prob, mask), ref, kind)
     return agg_loss(kld, mask, mode, global_tokens=global_tokens, global_seqs=global_seqs, horizon=horizon)
+
+
+def value_loss(
+    vpreds: Tensor,
+    values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    *,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: Count,
+    global_seqs: Count,
+    horizon: float | None = None,
+) -> tuple[Tensor, Mapping[str, Tensor]]:
+    """The critic's clipped value loss and its metrics; every tensor [n, L] padded, ``response_mask`` 0 off policy.
+
+    ``vpreds`` are the critic's current predictions, ``values`` the predictions made before the update (when the
+    advantages were computed) and ``returns`` the targets. Per token, with ``c = cliprange_value``:
+    ``v_clip = values + clamp(vpreds - values, -c, c)`` and ``l = max((vpreds - returns)^2, (v_clip - returns)^2)``;
+    the loss is ``0.5 *`` :func:`agg_loss` of ``l`` in ``loss_agg_mode`` (the reference system's
+    ``compute_value_loss``, normalised by the counts of the whole optimizer step).
+
+    Metrics (detached, ``sum over masked tokens / global_tokens``, so they add up over micro-batches and ranks):
+    ``vf_clipfrac`` (the clipped term was the larger) and ``vpred_mean``.
+    """
+    if not isinstance(response_mask, Tensor):
+        raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask).__name__}")
+    for name, t in (("vpreds", vpreds), ("values", values), ("returns", returns)):
+        _check_mat(name, t, response_mask)
+    if not cliprange_value > 0:
+        raise ValueError(f"cliprange_value must be > 0, got {cliprange_value}")
+    mask = response_mask.bool()
+    pred = _masked(vpreds, mask)
+    old = _masked(values.detach().to(vpreds.dtype), mask)
+    target = _masked(returns.detach().to(vpreds.dtype), mask)
+    clipped = old + torch.clamp(pred - old, -cliprange_value, cliprange_value)
+    loss1 = (pred - target) ** 2
+    loss2 = (clipped - target) ** 2
+    per_token = torch.maximum(loss1, loss2)
+    loss = 0.5 * agg_loss(per_token, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+                          horizon=horizon)
+    with torch.no_grad():
+        metrics = {
+            "vf_clipfrac": _token_share(loss2 > loss1, mask, global_tokens),
+            "vpred_mean": _token_share(pred.detach(), mask, global_tokens),
+        }
+    return loss, metrics

@@ -47,13 +47,15 @@ def _assert_lines(out: str, expected: list[str]) -> None:
 
 def test_two_ranks_parity_options_errors_and_checkpoint_to_one_rank(torchrun, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
-    out = torchrun(WORKER, 2, "parity,options,ckpt_save", "--path", str(ckpt), timeout=400)
+    out = torchrun(WORKER, 2, "parity,options,critic,ckpt_save", "--path", str(ckpt), timeout=400)
     _assert_lines(out, [
         "sgd_parity dp=2", "adamw_parity", "infer_order_shift_temperature",       # tests 1, 3
         "equal_update micro1", "equal_update micro4", "equal_update budget24",    # test 2
         "equal_update padding_samples", "equal_update ulysses_sp=2",
         "entropy_and_kl_loss", "activation_checkpointing", "weights_round_trip", "lr_schedule",
         "nonfinite_skip", "bad_input_errors",                                      # test 5
+        "critic_parity sp=1 micro=2 dp=2", "critic_parity sp=1 micro=5 dp=2",   # the critic: values, update
+        "critic_parity sp=2 micro=3 dp=1", "critic_padding_moves_nothing",
         "ckpt_resume_bitwise world=2",                                             # test 4
     ])
     out1 = _run_single_rank("ckpt_load,dp1", str(ckpt), capsys)

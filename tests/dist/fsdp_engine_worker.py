@@ -452,7 +452,117 @@ def mode_dp1() -> None:
     say("topology_agrees")
 
 
-MODES = {"parity": mode_parity, "options": mode_options, "mesh4": mode_mesh4, "dp1": mode_dp1,
+# ---- critic ------------------------------------------------------------------------------------------------------
+def seq_values(model, ids: torch.Tensor, r: int) -> torch.Tensor:
+    """A plain ValueModel's values of the last ``r`` tokens: read at the positions that predict them."""
+    L = ids.shape[0]
+    return model(ids, torch.arange(L), torch.tensor([0, L], dtype=torch.int32))[L - r - 1:L - 1]
+
+
+def critic_samples(n: int, seed: int, n_pad: int = 0) -> list[dict]:
+    """``make_samples`` plus the critic's inputs: old values (the initial critic's, perturbed) and returns."""
+    from backends.model.critic import ValueModel
+
+    g = torch.Generator().manual_seed(seed + 100)
+    model = ValueModel.from_seed(CFG, SEED)
+    out = make_samples(n, seed, n_pad)
+    for s in out:
+        r = len(s["response_mask"])
+        with torch.no_grad():
+            s["values"] = seq_values(model, s["input_ids"], r) + 0.3 * torch.randn(r, generator=g)
+        s["returns"] = torch.randn(r, generator=g)
+    return out
+
+
+def critic_td(samples: list[dict]) -> TensorDict:
+    return TensorDict({
+        "input_ids": to_nested([s["input_ids"] for s in samples]),
+        "response_mask": to_nested([s["response_mask"] for s in samples]),
+        "values": to_nested([s["values"] for s in samples]),
+        "returns": to_nested([s["returns"] for s in samples]),
+        "is_padding": torch.tensor([s["is_padding"] for s in samples]),
+    }, batch_size=[len(samples)])
+
+
+def critic_reference(steps: list[list[dict]], lr: float, clip: float, cliprange: float):
+    """Plain torch: the written-out clipped value loss (token-mean over the step's real tokens), SGD, grad clip."""
+    from backends.model.critic import ValueModel
+
+    model = ValueModel.from_seed(CFG, SEED)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=lr)
+    hist = []
+    for samples in steps:
+        opt.zero_grad()
+        total = sum(int(s["response_mask"].sum()) for s in samples if not s["is_padding"])
+        loss = torch.zeros(())
+        for s in samples:
+            if s["is_padding"]:
+                continue
+            v = seq_values(model, s["input_ids"], len(s["response_mask"]))
+            old, ret, m = s["values"], s["returns"], s["response_mask"].float()
+            vclip = old + (v - old).clamp(-cliprange, cliprange)
+            loss = loss + 0.5 * (torch.maximum((v - ret) ** 2, (vclip - ret) ** 2) * m).sum() / total
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        opt.step()
+        hist.append({"vf_loss": float(loss.detach()), "grad_norm": norm})
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, hist
+
+
+def mode_critic() -> None:
+    """The FSDP critic: values equal a plain ValueModel's; SGD updates equal the written-out reference for any
+    micro-batch split, with padding samples, and with Ulysses SP; padding samples move nothing."""
+    from backends.config import ValueLossConfig
+    from backends.fsdp.critic import FSDPCriticEngine
+    from backends.model.critic import ValueModel
+
+    world = dist.get_world_size()
+    lr, clip, cliprange = 0.5, 1.0, 0.2
+    steps = [critic_samples(8, 11, n_pad=2), critic_samples(8, 12, n_pad=2)]
+    ref_w, ref_hist = critic_reference(steps, lr, clip, cliprange)
+
+    def config(sp=1):
+        return EngineConfig(model=CFG, optim=OptimConfig(name="sgd", lr=lr, clip_grad=clip),
+                            value_loss=ValueLossConfig(cliprange_value=cliprange),
+                            fsdp=FSDPConfig(ulysses_sp=sp), seed=SEED)
+
+    def share(eng, samples, size):
+        k = len(samples) // eng.dp_size
+        mine = samples[eng.dp_rank * k:(eng.dp_rank + 1) * k]
+        return Share(critic_td(mine), fixed_micro(len(mine), size))
+
+    plain = ValueModel.from_seed(CFG, SEED)
+    for sp, size in ((1, 2), (1, 5), (world, 3)):
+        eng = FSDPCriticEngine(config(sp), None)
+        sh = share(eng, steps[0], size)
+        out = eng.infer_batch(sh)
+        if eng.is_reporting_rank:
+            k = len(steps[0]) // eng.dp_size
+            for j, s in enumerate(steps[0][eng.dp_rank * k:(eng.dp_rank + 1) * k]):
+                want = seq_values(plain, s["input_ids"], len(s["response_mask"])).detach() * s["response_mask"]
+                if not torch.allclose(out["values"][j], want, rtol=1e-5, atol=1e-6):
+                    raise AssertionError(f"critic values sp={sp}: sample {j} differs by "
+                                         f"{(out['values'][j] - want).abs().max():.3e}")
+        hist = [eng.train_batch(share(eng, st, size)) for st in steps]
+        for h, rh in zip(hist, ref_hist):
+            for key in ("vf_loss", "grad_norm"):
+                if not math.isclose(h[key], rh[key], rel_tol=1e-5, abs_tol=1e-6):
+                    raise AssertionError(f"critic sp={sp} micro={size}: {key} {h[key]!r} != reference {rh[key]!r}")
+        d = assert_close_params(eng.get_weights(), ref_w, 1e-5, 1e-6, f"critic sp={sp} micro={size}")
+        say(f"critic_parity sp={sp} micro={size} dp={eng.dp_size} max_abs_diff={d:.2e}")
+        del eng
+    # padding samples move no value loss, even with a full response mask and returns far from their values
+    eng = FSDPCriticEngine(config(), None)
+    noisy = [dict(s, returns=s["returns"] + 1e3, response_mask=torch.ones_like(s["response_mask"]))
+             if s["is_padding"] else s for s in steps[0]]
+    eng.train_batch(share(eng, noisy, 2))
+    eng.train_batch(share(eng, steps[1], 2))
+    assert_close_params(eng.get_weights(), ref_w, 1e-5, 1e-6, "critic padding garbage")
+    say("critic_padding_moves_nothing")
+
+
+MODES = {"parity": mode_parity, "critic": mode_critic, "options": mode_options, "mesh4": mode_mesh4, "dp1": mode_dp1,
          "ckpt_save": mode_ckpt_save, "ckpt_load": mode_ckpt_load}
 
 

@@ -346,3 +346,49 @@ def test_one_row_sessions_score_like_rows(sizes, seed, finals, estimator):
     by_session = compute_advantage(estimator, token_level_rewards=rewards, response_mask=mask, index=index,
                                    is_padding=pad, session_index=sessions, is_final_output=flags)
     assert all(torch.equal(a, b) for a, b in zip(by_row, by_session))
+
+
+@settings(max_examples=30, deadline=None)
+@given(parts=st.integers(1, 4), gamma=st.sampled_from([1.0, 0.99]), lam=st.sampled_from([1.0, 0.95]), **batch_args)
+def test_gae_over_parts_with_summed_moments_equals_whole_batch(seed, n, L, n_groups, parts, gamma, lam):
+    """Each holder runs GAE on its own rows (values read back from the store's jagged rows, float32), then whitens
+    with the batch's summed moments: the whole batch's padded GAE, whitened at once, in float64."""
+    from protocol.algos.advantage import whiten_by_moments, whiten_moments
+    from protocol.batch.nested import jagged_to_padded, padded_to_jagged_many
+
+    rewards, mask, _, is_padding = _random_batch(seed, n, L, n_groups)
+    values = torch.randn(n, L, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 3)).float()
+    rewards = rewards.float()
+    full_adv, full_ret = gae_advantage(rewards.double(), mask, values.double(), gamma=gamma, lam=lam,
+                                       is_padding=is_padding)
+    lengths = [L] * n  # every row stored at its full response length
+    stored = jagged_to_padded(padded_to_jagged_many((values,), lengths)[0])
+    owner = torch.randint(0, parts, (n,), generator=torch.Generator().manual_seed(seed + 5))
+    pieces, moments = [], [0.0, 0.0, 0.0]
+    for p in range(parts):
+        rows = (owner == p).nonzero().flatten()
+        adv, ret = gae_advantage(rewards[rows], mask[rows], stored[rows], gamma=gamma, lam=lam, whiten=False,
+                                 is_padding=is_padding[rows])
+        moments = [a + b for a, b in zip(moments, whiten_moments(adv, mask[rows] & ~is_padding[rows, None]))]
+        pieces.append((rows, adv, ret))
+    for rows, adv, ret in pieces:
+        white = whiten_by_moments(adv, mask[rows] & ~is_padding[rows, None], moments)
+        # float32 GAE sums at most L terms of |x| < ~10: a few ulps of float32, amplified by 1 / std of the batch
+        torch.testing.assert_close(white.double(), full_adv[rows], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ret.double(), full_ret[rows], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(parts=st.integers(1, 4), **batch_args)
+def test_whiten_by_summed_moments_equals_masked_whiten(seed, n, L, n_groups, parts):
+    from protocol.algos.advantage import whiten_by_moments, whiten_moments
+
+    x, mask, _, _ = _random_batch(seed, n, L, n_groups)
+    owner = torch.randint(0, parts, (n,), generator=torch.Generator().manual_seed(seed))
+    sums = [0.0, 0.0, 0.0]
+    for p in range(parts):
+        sums = [a + b for a, b in zip(sums, whiten_moments(x[owner == p], mask[owner == p]))]
+    whole = masked_whiten(x, mask)
+    for p in range(parts):
+        torch.testing.assert_close(whiten_by_moments(x[owner == p], mask[owner == p], sums), whole[owner == p],
+                                   rtol=1e-9, atol=1e-9)

@@ -272,3 +272,54 @@ def test_plan_command_reports_every_config_error_with_exit_2(capsys):
     assert "not divisible by the logical DP size 3" in capsys.readouterr().err  # a DispatchConfigError
     assert main(["--config", REPO_CONFIG, "--world", "2", "actor.optim.name=adam"]) == 2
     assert "actor.optim.name must be one of" in capsys.readouterr().err  # a schema ConfigError
+
+
+def test_critic_section_for_gae():
+    cfg = load_config("ppo_tiny")
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enabled
+    ec = cfg.critic_engine_config()
+    # the critic's own optimizer, the actor's architecture and loss aggregation, cliprange_value by default 0.5
+    assert ec.model == cfg.model and ec.optim.lr == cfg.critic.optim.lr and ec.fsdp == cfg.critic.fsdp
+    assert ec.value_loss.cliprange_value == 0.5 and ec.value_loss.loss_agg_mode == cfg.actor.loss.loss_agg_mode
+    assert ec.value_loss.horizon == cfg.data.max_response_length
+    assert ec.optim.total_steps == cfg.engine_config().optim.total_steps
+    cfg = load_config("ppo_tiny", ["critic.optim.lr=0.01", "actor.loss.loss_agg_mode=seq-mean-token-mean",
+                                   "critic.cliprange_value=0.2", "critic.fsdp.fsdp_size=1"])
+    ec = cfg.critic_engine_config()
+    assert ec.optim.lr == 0.01 and cfg.engine_config().optim.lr != 0.01
+    assert ec.value_loss.loss_agg_mode == "seq-mean-token-mean" and ec.value_loss.cliprange_value == 0.2
+    assert ec.fsdp.fsdp_size == 1 and cfg.engine_config().fsdp.fsdp_size == -1
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["critic.enabled=false"], "algorithm.adv_estimator=gae needs a critic's values: set critic.enabled=true"),
+    (["algorithm.adv_estimator=grpo"], "critic.enabled=true but algorithm.adv_estimator=grpo reads no values"),
+    (["actor.backend=megatron"], "critic.enabled=true with actor.backend=megatron: the critic runs on the FSDP"),
+    (["critic.fsdp.ulysses_sp=2"], "critic.fsdp.ulysses_sp (2) must equal actor.fsdp.ulysses_sp (1)"),
+    (["critic.cliprange_value=0"], "critic.cliprange_value must be a finite number > 0"),
+    (["critic.warmup_steps=-1"], "critic.warmup_steps must be >= 0"),
+    (["critic.optim.lr=-1"], "critic.optim.lr must be a finite number"),
+    (["critic.optim.betas=[0.9, 1.0]"], "critic.optim.betas[1] must be in [0, 1)"),
+    (["critic.bogus=1"], "unknown config key critic.bogus"),
+    (["critic.hf_path=/nonexistent/critic"], "critic.hf_path: "),
+])
+def test_bad_critic_configs_name_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config("ppo_tiny", overrides)
+    assert expected in str(info.value)
+
+
+def test_critic_hf_path_must_match_the_actor(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    import hf_tiny
+
+    path = hf_tiny.make_checkpoint(tmp_path / "q", "qwen2", tokenizer=False)
+    with pytest.raises(ConfigError, match=r"critic.hf_path=.*differs from the actor's in .*hidden_size \(32 vs "
+                                          r"model.hidden_size=64\)"):
+        load_config("ppo_tiny", [f"critic.hf_path={path}"])
+    cfg = load_config(None, ["algorithm.adv_estimator=gae", "critic.enabled=true", f"model.hf_path={path}",
+                             f"critic.hf_path={path}", "data.tokenizer=char"])
+    assert cfg.critic_engine_config().model.hf_path == str(path)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import time
 
 import numpy as np
@@ -180,3 +181,30 @@ def test_read_metrics_errors(tmp_path):
 def test_distributed_masked_stats_matches_single_process(torchrun):
     out = torchrun("rldispatch_metrics_worker.py", 2)
     assert out.count("OK") == 2, out
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 40), parts=st.integers(1, 4), noise=st.floats(0.0, 2.0))
+def test_explained_variance_from_summed_parts_equals_the_reference_formula(seed, n, parts, noise):
+    """The reference system's ``1 - var(returns - values) / (var(returns) + 1e-5)`` (torch.var, unbiased) over all
+    tokens equals the value from each holder's sums, added up."""
+    from rldispatch.metrics import explained_variance
+
+    g = torch.Generator().manual_seed(seed)
+    returns = torch.randn(n, generator=g, dtype=torch.float64) + 0.3
+    values = returns + noise * torch.randn(n, generator=g, dtype=torch.float64)
+    want = 1.0 - torch.var(returns - values) / (torch.var(returns) + 1e-5)
+    owner = torch.randint(0, parts, (n,), generator=g)
+    sums = [0.0] * 5
+    for p in range(parts):
+        r, d = returns[owner == p], (returns - values)[owner == p]
+        for i, x in enumerate((r.numel(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum())):
+            sums[i] += float(x)
+    assert explained_variance(*sums) == pytest.approx(float(want), rel=1e-9, abs=1e-9)
+
+
+def test_explained_variance_edges():
+    from rldispatch.metrics import explained_variance
+
+    assert math.isnan(explained_variance(1, 1.0, 1.0, 0.0, 0.0))
+    assert explained_variance(4, 0.0, 4.0, 0.0, 4.0) == pytest.approx(1 - 4 / 3 / (4 / 3 + 1e-5))

@@ -26,3 +26,5 @@ def test_combine_update_metrics():
                                   {"loss": 3.0, "tokens": 5, "lr": 0.2, "grad_norm": 2.0}])
     assert out == {"actor/loss": 2.0, "actor/tokens": 15.0, "actor/lr": 0.2, "actor/grad_norm": 2.0,
                    "actor/optimizer_steps": 2.0}
+    critic = combine_update_metrics([{"vf_loss": 1.0, "seqs": 4}, {"vf_loss": 2.0, "seqs": 4}], prefix="critic/")
+    assert critic == {"critic/vf_loss": 1.5, "critic/seqs": 8.0, "critic/optimizer_steps": 2.0}

@@ -125,3 +125,47 @@ def test_bad_config_exits_2_naming_the_key():
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2
     assert "config error: micro_batch_size_per_gpu (100) exceeds the per-rank mini-batch" in proc.stderr
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ppo_with_critic_runs_checkpoints_and_resumes(torchrun, tmp_path):
+    """ppo_tiny (GAE, FSDP critic) on 2 ranks with dropped groups replaced by padding samples; the checkpoint holds
+    the critic beside the actor (the exported weights stay the actor's), and a resumed step 3 equals the
+    uninterrupted one."""
+    from backends.fsdp.checkpoint import read_model_weights
+
+    common = ["--config", "ppo_tiny", *SMALL, *_data_args(tmp_path), "trainer.val_freq=0",
+              "debug.inject_rollout_failures=0.3", "critic.warmup_steps=1"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    torchrun(TRAIN, 2, *common, f"trainer.run_dir={full}", "trainer.total_steps=3", "trainer.save_freq=2",
+             "debug.check_invariants=true", timeout=400)
+    records = _metrics(full)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert "actor/loss" not in records[0] and "actor/loss" in records[1], "step 1 is the critic's warm-up"
+    assert sum(r["dispatch/padding"] for r in records) > 0, "dropped groups must be replaced by padding samples"
+    for r in records:
+        # padding samples move no value loss: the critic saw exactly the real sequences, over the actor's batches
+        assert r["critic/seqs"] == r["samples/real"] == r["replay/num_trajectories"], r
+        assert r["critic/optimizer_steps"] == 2.0 and r["store/keys_after_clear"] == 0.0
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm",
+                    "critic/vf_explained_var", "critic/values/mean", "critic/returns/mean", "timing_s/values",
+                    "timing_s/critic_update"):
+            assert key in r and r[key] == r[key], (key, r)  # present and not NaN
+    # with gamma = lam = 1 the return of every token is its trajectory's score
+    assert records[0]["critic/returns/mean"] != 0.0
+    ckpt = full / "checkpoints" / "step_2"
+    assert (ckpt / "critic" / "engine_state.pt").is_file()
+    actor = read_model_weights(str(ckpt))
+    assert "lm_head.weight" in actor and not any(k.startswith("value_head") for k in actor)
+    assert "value_head.weight" in read_model_weights(str(ckpt / "critic"))
+
+    torchrun(TRAIN, 2, *common, f"trainer.run_dir={split}", "trainer.total_steps=3", f"trainer.resume={ckpt}",
+             timeout=400)
+    a, b = records[2], _metrics(split)[-1]
+    assert b["step"] == 3
+    for key in ("reward/score/mean", "critic/global_step", "actor/global_step"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "critic/vf_explained_var",
+                "actor/loss", "actor/grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
