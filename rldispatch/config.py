@@ -18,6 +18,7 @@ from typing import Any, Literal, Sequence
 from backends.config import EngineConfig, FSDPConfig, MegatronConfig, OptimConfig, PolicyLossConfig
 from backends.model.config import ModelConfig
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
+from protocol.algos.rollout_correction import RolloutCorrectionConfig
 from dispatch.topology import BackendName, ParallelSection
 from protocol.config import ConfigError, build_dataclass
 
@@ -49,6 +50,10 @@ class RolloutConfig:
     agent_loop: str = "single_turn"  # a registered agent loop (protocol.rollout.agent_loop): single_turn | tool
     max_turns: int = 4
     log_prob_mode: Literal["recompute", "bypass"] = "recompute"  # recompute (engine) | bypass (the rollout's own)
+    # async modes: a session still generating at a weight sync resumes with the new weights, keeping its tokens and
+    # log-probs (None = true in colocate_async, false in sync); it pauses every partial_rollout_chunk tokens
+    partial_rollout: bool | None = None
+    partial_rollout_chunk: int = 4
 
 
 @dataclass
@@ -68,6 +73,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # a KL estimator of protocol.algos.kl (KL_KINDS)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -107,9 +113,20 @@ class RefConfig:
 class ReplayConfig:
     failure_policy: Literal["drop", "keep_successful"] = "drop"
     off_policy_strategy: Literal["drop", "wait"] = "drop"
-    max_off_policy_threshold: int = 8
-    parameter_sync_step: int = 1
+    max_off_policy_threshold: int = 8  # global steps from a prompt's dispatch to its training (span), async modes
     sample_timeout_s: float = 600.0
+
+
+@dataclass
+class ColocateAsyncConfig:
+    num_warmup_batches: int = 1  # batches of prompts submitted ahead of the first step
+
+
+@dataclass
+class SeparateAsyncConfig:
+    rollout_ranks: int = 1  # ranks that only generate
+    num_warmup_batches: int = 1
+    parameter_sync_step: int = 4  # mini-batch updates per global step (one weight sync each)
 
 
 @dataclass
@@ -129,6 +146,11 @@ class TrainerSection:
     run_dir_exists: Literal["refuse", "overwrite"] = "refuse"  # a run dir holding another run's metrics/checkpoints
     gc_interval: int = 1  # steps between garbage collections, automatic GC off meanwhile; 0 = Python's automatic GC
     host_channel: bool = True  # gloo ranks on one host exchange the step's frames over loopback sockets
+    # sync: generate the step's prompts, then train on them; colocate_async: the training ranks also generate, and
+    # generation outlives the step (docs/async.md); separate_async: rollout ranks and training ranks
+    mode: Literal["sync", "colocate_async", "separate_async"] = "sync"
+    colocate_async: ColocateAsyncConfig = field(default_factory=ColocateAsyncConfig)
+    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
 
 
 @dataclass
@@ -228,6 +250,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"actor.loss.temperature ({cfg.actor.loss.temperature}) differs from rollout.temperature "
             f"({cfg.rollout.temperature}); the update always scores tokens at the rollout's temperature, so leave "
             f"actor.loss.temperature unset")
+    _check_async(cfg)
     if cfg.algorithm.use_kl_in_reward and not cfg.ref.enabled:
         raise ConfigError("algorithm.use_kl_in_reward=true needs the reference policy: set ref.enabled=true")
     if cfg.rollout.temperature <= 0:
@@ -246,6 +269,33 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"model.max_position_embeddings ({cfg.model.max_position_embeddings})"
         )
     return cfg
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """The schedule, staleness and rollout-correction keys against each other."""
+    t, r, rc = cfg.trainer, cfg.rollout, cfg.algorithm.rollout_correction
+    if t.mode == "separate_async":
+        raise ConfigError("trainer.mode=separate_async is not available in this version (rollout ranks and a weight "
+                          "transfer group are not implemented); use trainer.mode=colocate_async or sync")
+    if cfg.replay.max_off_policy_threshold < 1:
+        raise ConfigError(f"replay.max_off_policy_threshold must be a positive number of global steps, got "
+                          f"{cfg.replay.max_off_policy_threshold}")
+    if t.colocate_async.num_warmup_batches < 0:
+        raise ConfigError(f"trainer.colocate_async.num_warmup_batches must be >= 0, got "
+                          f"{t.colocate_async.num_warmup_batches}")
+    if r.partial_rollout and t.mode == "sync":
+        raise ConfigError("rollout.partial_rollout=true needs an async trainer.mode: in sync mode no session is "
+                          "in flight at a weight sync")
+    if r.partial_rollout_chunk < 1:
+        raise ConfigError(f"rollout.partial_rollout_chunk must be a positive number of tokens, got "
+                          f"{r.partial_rollout_chunk}")
+    if rc.bypass_mode and r.log_prob_mode != "bypass":
+        raise ConfigError("algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old "
+                          "ones: set rollout.log_prob_mode=bypass as well")
+    if rc.enabled and r.log_prob_mode == "bypass":
+        raise ConfigError("algorithm.rollout_correction.rollout_is / rollout_rs compare the recomputed (proximal) "
+                          "log-probs with the rollout's; in bypass mode they are the same (every weight 1): set "
+                          "rollout.log_prob_mode=recompute or leave rollout_is and rollout_rs null")
 
 
 def _check_registered(cfg: RunConfig) -> None:

@@ -31,6 +31,7 @@ class ShareView:
     old_log_probs: list[torch.Tensor] | None = None
     advantages: list[torch.Tensor] | None = None
     ref_log_prob: list[torch.Tensor] | None = None
+    rollout_is_weights: list[torch.Tensor] | None = None
     is_padding: torch.Tensor | None = None
 
 
@@ -80,7 +81,8 @@ def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_toke
             raise TypeError(f"share field 'input_ids' must hold integer token ids, sample {i} has dtype {x.dtype}")
     view = ShareView(n=n, input_ids=ids, response_mask=rmask, seq_lens=seq_lens, response_lens=rlens)
     if train:
-        for name in ("old_log_probs", "advantages") + (("ref_log_prob",) if use_kl_loss else ()):
+        weighted = ("rollout_is_weights",) if "rollout_is_weights" in present else ()
+        for name in ("old_log_probs", "advantages") + (("ref_log_prob",) if use_kl_loss else ()) + weighted:
             rows = _rows(data, name, n)
             for i, (x, r) in enumerate(zip(rows, rlens)):
                 if x.shape[0] != r:
