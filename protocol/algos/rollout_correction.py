@@ -50,7 +50,7 @@ class RolloutCorrectionConfig:
     rollout_is: Literal["token", "sequence"] | None = None  # None = no IS weights
     rollout_is_threshold: float = 2.0  # truncation cap of the IS weights
     rollout_rs: str | None = None  # rejection options, comma-separated (RS_OPTIONS)
-    rollout_rs_threshold: str | None = None  # one per option, comma-separated; "lower_upper" for k1 options
+    rollout_rs_threshold: str | float | None = None  # one per option, comma-separated; "lower_upper" for k1 options
     bypass_mode: bool = False  # old log-probs = the rollout's own (needs rollout.log_prob_mode=bypass)
 
     def __post_init__(self) -> None:
