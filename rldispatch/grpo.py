@@ -270,9 +270,11 @@ class GRPOTrainer:
         self.trace = TraceRecorder(trace_path, enabled=cfg.trace.enabled, rank=ctx.rank)
         self.gc = StepGC(cfg.trainer.gc_interval)
         self.step = 0
+        self._resumed_schedule: dict | None = None
         self._maybe_resume()
         self.rollout.load_weights(self.engine.get_weights(), version=self.step)  # version = the step it serves
         self.schedule = build_schedule(self)
+        self.schedule.restore(self._resumed_schedule)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _ensure_data(self) -> None:
@@ -338,10 +340,7 @@ class GRPOTrainer:
         if not (path / RUN_RECORD).is_file() and "config" in extra:  # a checkpoint from before run.json
             changes = check_resume_config({"config": extra["config"]}, to_plain(self.cfg), str(path))
         self.step = int(extra["step"])
-        if self.cfg.trainer.mode != "sync":
-            raise ConfigError(f"trainer.resume: resuming a trainer.mode={self.cfg.trainer.mode} run is not available "
-                              f"in this version (its in-flight prompts are not checkpointed); resume it with "
-                              f"trainer.mode=sync or start over")
+        self._resumed_schedule = extra.get("schedule")
         if "kl_coef" in extra and isinstance(self.kl_ctrl, AdaptiveKLController):
             self.kl_ctrl.value = float(extra["kl_coef"])  # the adaptive coefficient is state; a fixed one is config
         dropped = self.metrics.keep_through(self.step)
@@ -359,9 +358,11 @@ class GRPOTrainer:
         if self.ctx.is_main and partial.exists():
             shutil.rmtree(partial)  # a killed save's leftovers
         dist.barrier()
-        self.engine.save_checkpoint(str(partial), extra_state={"step": self.step,
-                                                                "kl_coef": float(self.kl_ctrl.value),
-                                                                "config": to_plain(self.cfg)})
+        extra = {"step": self.step, "kl_coef": float(self.kl_ctrl.value), "config": to_plain(self.cfg)}
+        schedule = self.schedule.state()
+        if schedule is not None:
+            extra["schedule"] = schedule  # an async run's prompt stream and outstanding prompts
+        self.engine.save_checkpoint(str(partial), extra_state=extra)
         dist.barrier()
         if self.ctx.is_main:
             write_run_record(partial, self.step, to_plain(self.cfg))

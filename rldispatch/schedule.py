@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from protocol.rollout.agent_loop import register_prompts
 from protocol.store.meta import KVBatchMeta
 from protocol.store.replay_buffer import ReplayBufferError
+from rldispatch.config import ConfigError
 
 if TYPE_CHECKING:  # the trainer builds its schedule; nothing here runs without one
     from rldispatch.grpo import GRPOTrainer, StepState
@@ -87,6 +88,17 @@ class SyncSchedule:
         """At the end of the run (also after an error); returns the keys left in the store."""
         return 0
 
+    def state(self) -> dict | None:
+        """What a checkpoint keeps of the schedule (sync: nothing, every prompt of a step is trained in it)."""
+        return None
+
+    def restore(self, state: dict | None) -> None:
+        """Take a checkpoint's :meth:`state`."""
+        if state and state.get("outstanding"):
+            raise ConfigError(f"trainer.resume: the checkpoint is of an asynchronous run with "
+                              f"{len(state['outstanding'])} prompt(s) in flight; resume it with the trainer.mode it "
+                              f"was saved with ({state.get('mode')})")
+
 
 class ColocateAsyncSchedule(SyncSchedule):
     """The training ranks generate too, and generation outlives the step (see the module docstring)."""
@@ -102,15 +114,42 @@ class ColocateAsyncSchedule(SyncSchedule):
         self.cursor = trainer.step * self.batch_size  # prompts taken from the training stream so far
         self.batches = trainer.step  # batches submitted so far (they seed the sampling stream, as a step does)
         self.tasks: list[asyncio.Task] = []
+        self.numbers: dict[str, int] = {}  # uid -> its position in the prompt stream, for every row in self.rows
+        self._resubmit: list[int] = []
         self._step = trainer.step
         trainer.replay.refill = self.refill
 
+    # ---- checkpoint -------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """The prompt stream's cursor and every prompt submitted and neither trained nor evicted (pending,
+        running, or finished and waiting in the buffer), by stream position."""
+        outstanding = sorted(self.numbers.values())
+        logger.info("checkpoint at step %d: prompt stream at %d, outstanding prompts %s", self.t.step, self.cursor,
+                    outstanding)
+        return {"mode": self.name, "cursor": self.cursor, "batches": self.batches, "outstanding": outstanding}
+
+    def restore(self, state: dict | None) -> None:
+        """Resume: the stream continues at the saved cursor; :meth:`begin` submits the outstanding prompts again,
+        dispatched at the resumed step (their partial trajectories died with the process; none was trained)."""
+        if not state:  # a sync run's checkpoint: the stream continues where its steps left it
+            return
+        self.cursor, self.batches = int(state["cursor"]), int(state["batches"])
+        self._resubmit = [int(p) for p in state["outstanding"]]
+
     # ---- submission -------------------------------------------------------------------------------------------
-    def _submit(self, count: int, step: int, seed_batch: int | None) -> tuple[list[dict], list[str]]:
+    def _submit(self, count: int, step: int, seed_batch: int | None, numbers: list[int] | None = None
+                ) -> tuple[list[dict], list[str]]:
         t = self.t
-        rows, uids = t._prompts_at(self.cursor, count)
-        self.cursor += count
+        if numbers is None:
+            numbers = list(range(self.cursor, self.cursor + count))
+            self.cursor += count
+        rows, uids = [], []
+        for start, run in _runs(numbers):
+            r, u = t._prompts_at(start, run)
+            rows += r
+            uids += u
         self.rows.update(zip(uids, rows))
+        self.numbers.update(zip(uids, numbers))
         mine = t._my_prompts(len(rows))
         if mine:  # pending tags at once, so the buffer counts them in flight before their sessions start
             register_prompts(t.store, [uids[i] for i in mine], step, TRAIN)
@@ -120,6 +159,13 @@ class ColocateAsyncSchedule(SyncSchedule):
         return rows, uids
 
     def begin(self) -> None:
+        if self._resubmit:
+            logger.info("resume: prompts %s, in flight or buffered at the checkpoint, submitted again at step %d",
+                        self._resubmit, self.t.step)
+            self._submit(len(self._resubmit), self.t.step, self.batches, numbers=self._resubmit)
+            self.batches += 1
+            self._resubmit = []
+            return
         for _ in range(self.warmup):
             self._submit(self.batch_size, self.t.step, self.batches)
             self.batches += 1
@@ -156,14 +202,23 @@ class ColocateAsyncSchedule(SyncSchedule):
         t0 = time.perf_counter()
         try:
             self.t.store.sync()
-            return self.t.replay.sample(batch_size, current_step=st.step,
+            meta = self.t.replay.sample(batch_size, current_step=st.step,
                                         timeout=self.t.cfg.replay.sample_timeout_s, idle=self._idle)
+            logger.info("step %d trains prompts %s", st.step,
+                        sorted(self.numbers[u] for u in meta.extra_info["uids"]))
+            return meta
         finally:
             self.waiting_s += time.perf_counter() - t0
+            self._forget(self.t.replay.evicted)
+            self.t.replay.evicted.clear()
+
+    def _forget(self, uids: Any) -> None:
+        for uid in uids:
+            self.rows.pop(uid, None)
+            self.numbers.pop(uid, None)
 
     def after_clear(self, st: "StepState") -> None:
-        for uid in st.sampled.extra_info.get("uids", []):
-            self.rows.pop(uid, None)
+        self._forget(st.sampled.extra_info.get("uids", []))
 
     def step_metrics(self, st: "StepState", seconds: float) -> dict[str, float]:
         out = super().step_metrics(st, seconds)
@@ -185,12 +240,24 @@ class ColocateAsyncSchedule(SyncSchedule):
         if known:
             store.kv_clear(sorted(known), TRAIN)
         self.rows.clear()
+        self.numbers.clear()
         remaining = store.num_keys()
         if remaining:
             raise RuntimeError(f"{remaining} key(s) left in the store after shutdown")
         logger.info("colocate_async shutdown: %d in-flight task(s) cancelled, %d training key(s) cleared; store "
                     "empty", len(left), len(known))
         return remaining
+
+
+def _runs(numbers: list[int]) -> list[tuple[int, int]]:
+    """``numbers`` as (start, length) runs of consecutive values, in order."""
+    runs: list[tuple[int, int]] = []
+    for p in numbers:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs
 
 
 def build_schedule(trainer: "GRPOTrainer") -> SyncSchedule:

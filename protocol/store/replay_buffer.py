@@ -226,6 +226,7 @@ class ReplayBuffer:
         self._clock = clock
         self._handed_out: set[str] = set()
         self._evicted_spans: list[int] = []
+        self.evicted: list[str] = []  # prompt keys of every group evicted (stale or failed); the owner drains it
         self.totals: dict[str, int] = {"stale_groups_dropped": 0, "stale_samples_dropped": 0,
                                        "failed_groups_dropped": 0, "failed_samples_dropped": 0,
                                        "failed_groups_kept": 0, "groups_sampled": 0, "samples_sampled": 0,
@@ -288,6 +289,7 @@ class ReplayBuffer:
         evicted = {g.uid: g for g in [*drop_failed, *stale]}  # one eviction (and one refill) per group
         if evicted:
             self._drop(list(evicted.values()))
+            self.evicted.extend(evicted)
         if drop_failed:
             n_samples = sum(len(g.keys) for g in drop_failed)
             metrics["replay/failed_groups_dropped"] += len(drop_failed)

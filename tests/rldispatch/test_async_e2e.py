@@ -93,3 +93,32 @@ def test_colocate_async_drop_evicts_the_warm_up_batch_and_refills_it(tmp_path):
     evicted = sum(r["off_policy/evicted_groups"] for r in records)
     assert evicted >= 16 and sum(r["replay/groups_refilled"] for r in records) == evicted
     assert all(r["off_policy/evicted_samples_staleness/min"] == 2 for r in records if r["off_policy/evicted_groups"])
+
+
+def _logged(stderr: str, what: str) -> list[list[int]]:
+    return [json.loads(line.split(what, 1)[1].split("]")[0] + "]") for line in stderr.splitlines() if what in line]
+
+
+@pytest.mark.slow
+def test_colocate_async_resume_trains_nothing_twice_and_loses_nothing(tmp_path):
+    """A run that stops with prompts in flight and buffered, resumed: those prompts are submitted again at the
+    resumed step, no prompt is trained twice, and every prompt outstanding at the checkpoint is trained later or
+    still outstanding at the end."""
+    common = ["--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={tmp_path / 'run'}",
+              "trainer.val_freq=0", "trainer.mode=colocate_async", "trainer.colocate_async.num_warmup_batches=1"]
+    runs = []
+    for steps, resume in ((2, "never"), (4, "auto")):
+        proc = subprocess.run([sys.executable, TRAIN, *common, f"trainer.total_steps={steps}",
+                               f"trainer.resume={resume}"], capture_output=True, text=True, timeout=400, cwd=REPO,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs.append(proc.stderr)
+    trained = [_logged(err, "trains prompts ") for err in runs]
+    outstanding = [_logged(err, "outstanding prompts ") for err in runs]
+    assert [len(t) for t in trained] == [2, 2] and all(len(step) == 16 for t in trained for step in t)
+    first, second = {p for step in trained[0] for p in step}, [p for step in trained[1] for p in step]
+    assert len(first) == 32 and len(set(second)) == len(second) == 32 and not first & set(second)
+    saved = set(outstanding[0][-1])
+    assert saved and _logged(runs[1], "resume: prompts ")[0] == sorted(saved)
+    assert saved <= set(second) | set(outstanding[1][-1])
+    assert not saved & first
