@@ -42,7 +42,7 @@ from protocol.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_
 from protocol.store.meta import KVBatchMeta
 from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged_many, to_nested
 from protocol.store.replay_buffer import ReplayBuffer, ReplayBufferError
-from protocol.algos.rollout_correction import correction_metrics, correction_sums, is_weights, rejection_mask
+from protocol.algos.rollout_correction import correction_metrics, rollout_correction
 import protocol.rollout.tasks  # noqa: F401  (registers the task scorers by data_source)
 from protocol.algos.reward import (RewardInput, RewardResult, build_reward_manager, compute_rm_scores,
                                    needs_ground_truth, numeric_extras)
@@ -686,15 +686,8 @@ class GRPOTrainer:
         if real:  # padding samples have no rollout log-probs (their mask is 0)
             got = jagged_to_padded(self.store.read_local(real, TRAIN, ["rollout_log_probs"])["rollout_log_probs"])
             rollout_lp[(~pad).nonzero().squeeze(-1), :got.shape[1]] = got.float()
-        valid = mask.bool() & ~pad[:, None]
-        log_ratio = old_lp - rollout_lp
-        kept = rejection_mask(log_ratio, valid, rc.rollout_rs, rc.rollout_rs_threshold).bool() \
-            if rc.rollout_rs else None
-        weights = raw = None
-        if rc.rollout_is:
-            weights, raw = is_weights(log_ratio, valid, rc.rollout_is, rc.rollout_is_threshold)
-        for k, v in correction_sums(old_lp, rollout_lp, valid, weights, raw, rc.rollout_is, rc.rollout_is_threshold,
-                                    kept).items():
+        weights, kept, sums = rollout_correction(rc, old_lp, rollout_lp, mask.bool() & ~pad[:, None])
+        for k, v in sums.items():
             stats.sum(f"rollout_corr/_{k}", v)
         fields = {}
         if weights is not None:

@@ -33,7 +33,7 @@ from protocol.algos.losses import LOG_RATIO_BOUND
 from protocol.config import ConfigError
 
 __all__ = ["RolloutCorrectionConfig", "RolloutCorrectionError", "RS_OPTIONS", "is_weights", "rejection_mask",
-           "correction_sums", "correction_metrics", "parse_rs"]
+           "correction_sums", "correction_metrics", "parse_rs", "rollout_correction"]
 
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -197,3 +197,19 @@ def correction_metrics(sums: Mapping[str, float]) -> dict[str, float]:
     if "rejected" in sums:
         out["rollout_corr/rollout_rs_masked_fraction"] = sums["rejected"] / n
     return out
+
+
+def rollout_correction(config: RolloutCorrectionConfig, old_log_prob: Tensor, rollout_log_prob: Tensor,
+                       response_mask: Tensor) -> tuple[Tensor | None, Tensor | None, dict[str, float]]:
+    """``(weights, kept, sums)`` of one batch under ``config``: the IS weights (``rollout_is`` set), the rejection
+    mask (``rollout_rs`` set; 1 = kept) and this batch's :func:`correction_sums`."""
+    mask = _check(old_log_prob, response_mask)
+    log_ratio = old_log_prob - rollout_log_prob
+    kept = rejection_mask(log_ratio, mask, config.rollout_rs, config.rollout_rs_threshold).bool() \
+        if config.rollout_rs else None
+    weights = raw = None
+    if config.rollout_is:
+        weights, raw = is_weights(log_ratio, mask, config.rollout_is, config.rollout_is_threshold)
+    sums = correction_sums(old_log_prob, rollout_log_prob, mask, weights, raw, config.rollout_is,
+                           config.rollout_is_threshold, kept)
+    return weights, kept, sums

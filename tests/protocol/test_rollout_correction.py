@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from protocol.algos.losses import policy_loss
 from protocol.algos.rollout_correction import (
     RolloutCorrectionConfig, RolloutCorrectionError, correction_metrics, correction_sums, is_weights, rejection_mask,
+    rollout_correction,
 )
 
 
@@ -155,3 +156,17 @@ def test_policy_loss_multiplies_each_token_by_its_weight(b, cap, adv_sign):
     per = torch.where(a < 0, torch.minimum(clipped, -a * 3.0), clipped)
     want = float((per * w.double())[mask].sum() / n)
     assert float(weighted) == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=batches(), level=st.sampled_from([None, "token", "sequence"]), rs=st.sampled_from([None, "seq_mean_k3"]))
+def test_rollout_correction_composes_the_parts(b, level, rs):
+    old, rollout, mask = b
+    cfg = RolloutCorrectionConfig(rollout_is=level, rollout_rs=rs, rollout_rs_threshold=0.5 if rs else None)
+    weights, kept, sums = rollout_correction(cfg, old, rollout, mask)
+    assert (weights is None) == (level is None) and (kept is None) == (rs is None)
+    if weights is not None:
+        assert torch.equal(weights, is_weights(old - rollout, mask, level, 2.0)[0])
+    if kept is not None:
+        assert torch.equal(kept, rejection_mask(old - rollout, mask, rs, 0.5).bool())
+    assert sums["tokens"] == float(mask.sum()) and ("w" in sums) == (level is not None)

@@ -54,7 +54,8 @@ def test_colocate_async_with_nothing_off_policy_equals_sync_bit_for_bit(tmp_path
 @pytest.mark.dist
 @pytest.mark.slow
 def test_colocate_async_off_policy_on_two_megatron_ranks(torchrun, tmp_path):
-    """A warm-up batch ahead, partial rollout in 2-token chunks, drop at span > 2, token IS weights, Megatron DP=2:
+    """A warm-up batch ahead, partial rollout in 2-token chunks, drop at span > 2, token IS weights and token
+    rejection, Megatron DP=2:
     every step trains whole groups within the threshold, the tags and the correction metrics say how far
     off-policy they are, and the run exits with an empty store (shutdown raises otherwise)."""
     run_dir = tmp_path / "run"
@@ -62,7 +63,8 @@ def test_colocate_async_off_policy_on_two_megatron_ranks(torchrun, tmp_path):
              "trainer.total_steps=4", "trainer.val_freq=0", "actor.backend=megatron", "trainer.mode=colocate_async",
              "trainer.colocate_async.num_warmup_batches=1", "replay.max_off_policy_threshold=2",
              "rollout.partial_rollout_chunk=2", "data.max_response_length=12",
-             "algorithm.rollout_correction.rollout_is=token", timeout=400)
+             "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
+             "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", timeout=400)
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
@@ -73,6 +75,7 @@ def test_colocate_async_off_policy_on_two_megatron_ranks(torchrun, tmp_path):
         assert 0 <= r["off_policy/trajectory_staleness/min"] <= r["off_policy/trajectory_staleness_worst/max"] <= 1
         assert 0 < r["rollout_corr/rollout_is_mean"] <= 2.0
         assert 0 < r["rollout_corr/rollout_is_eff_sample_size"] <= 1.0
+        assert 0 <= r["rollout_corr/rollout_rs_masked_fraction"] <= 1.0
         for key in ("rollout_corr/kl", "rollout_corr/rollout_is_ratio_fraction_high", "partial/partial_ratio",
                     "partial/max_partial_span", "timing_s/trainer_idle", "timing_s/rollout_idle"):
             assert key in r, key
