@@ -123,13 +123,6 @@ class ColocateAsyncConfig:
 
 
 @dataclass
-class SeparateAsyncConfig:
-    rollout_ranks: int = 1  # ranks that only generate
-    num_warmup_batches: int = 1
-    parameter_sync_step: int = 4  # mini-batch updates per global step (one weight sync each)
-
-
-@dataclass
 class TrainerSection:
     total_steps: int = 300
     run_dir: str = "runs/grpo_tiny"
@@ -147,10 +140,9 @@ class TrainerSection:
     gc_interval: int = 1  # steps between garbage collections, automatic GC off meanwhile; 0 = Python's automatic GC
     host_channel: bool = True  # gloo ranks on one host exchange the step's frames over loopback sockets
     # sync: generate the step's prompts, then train on them; colocate_async: the training ranks also generate, and
-    # generation outlives the step (docs/async.md); separate_async: rollout ranks and training ranks
+    # generation outlives the step (docs/async.md); separate_async (rollout ranks apart): refused in this version
     mode: Literal["sync", "colocate_async", "separate_async"] = "sync"
     colocate_async: ColocateAsyncConfig = field(default_factory=ColocateAsyncConfig)
-    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
 
 
 @dataclass
