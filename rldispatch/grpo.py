@@ -1,4 +1,5 @@
-"""The synchronous GRPO step, wired from protocol, dispatch and backends; every rank runs this code (SPMD).
+"""The GRPO step, wired from protocol, dispatch and backends; every rank runs this code (SPMD). When and where
+generation runs around the step (``trainer.mode``) is the schedule's (:mod:`rldispatch.schedule`).
 
 One step: prompts -> uid per prompt -> rollout on each DP replica's reporting rank -> store -> reward ->
 balance and dispatch plan -> old log-probs -> reference log-probs -> KL -> advantage -> actor update
@@ -212,7 +213,7 @@ class StepState:
 
 
 class GRPOTrainer:
-    """Holds the run's components; :meth:`fit` runs ``trainer.total_steps`` synchronous GRPO steps."""
+    """Holds the run's components; :meth:`fit` runs ``trainer.total_steps`` GRPO steps under the run's schedule."""
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
@@ -444,7 +445,8 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
-        """One synchronous GRPO step: each stage takes the step's :class:`KVBatchMeta` and returns it."""
+        """One GRPO step: each stage takes the step's :class:`KVBatchMeta` and returns it; the schedule fills the
+        rollout and sample stages."""
         st = StepState(self.step, self._sample_prompts())
         t_step = time.perf_counter()
         batch = self._stage("rollout", st, self._generate, None)             # 1. sessions -> local stores

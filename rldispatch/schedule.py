@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.rollout.agent_loop import register_prompts
 from protocol.store.meta import KVBatchMeta
-from protocol.store.replay_buffer import ReplayBufferError
 from rldispatch.config import ConfigError
 
 if TYPE_CHECKING:  # the trainer builds its schedule; nothing here runs without one
@@ -267,4 +266,4 @@ def build_schedule(trainer: "GRPOTrainer") -> SyncSchedule:
         return SyncSchedule(trainer)
     if mode == "colocate_async":
         return ColocateAsyncSchedule(trainer)
-    raise ReplayBufferError(f"trainer.mode={mode!r} has no schedule")
+    raise ConfigError(f"trainer.mode={mode!r} has no schedule in this version; use sync or colocate_async")
