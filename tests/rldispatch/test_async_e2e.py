@@ -86,13 +86,15 @@ def test_colocate_async_off_policy_on_two_megatron_ranks(torchrun, tmp_path):
 @pytest.mark.slow
 def test_colocate_async_drop_evicts_the_warm_up_batch_and_refills_it(tmp_path):
     """Threshold 1 with a batch ahead: what is left of the warm-up batch has span 2 at step 1, so it is evicted
-    (never trained) and exactly as many fresh prompts are submitted; every trained group has span 1."""
+    (never trained) and exactly as many fresh prompts are submitted; every trained group has span 1. FSDP, with
+    sequence-level IS weights."""
     run_dir = tmp_path / "run"
     _train("--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}", "trainer.total_steps=3",
            "trainer.val_freq=0", "trainer.mode=colocate_async", "trainer.colocate_async.num_warmup_batches=1",
-           "replay.max_off_policy_threshold=1")
+           "replay.max_off_policy_threshold=1", "algorithm.rollout_correction.rollout_is=sequence")
     records = _metrics(run_dir)
     assert all(r["off_policy/span/max"] == 1 and r["replay/num_groups"] == 16 for r in records)
+    assert all(0 < r["rollout_corr/rollout_is_mean"] <= 2.0 for r in records)  # FSDP's loss takes the weights
     evicted = sum(r["off_policy/evicted_groups"] for r in records)
     assert evicted >= 16 and sum(r["replay/groups_refilled"] for r in records) == evicted
     assert all(r["off_policy/evicted_samples_staleness/min"] == 2 for r in records if r["off_policy/evicted_groups"])
