@@ -21,9 +21,11 @@ __all__ = ["StoreBridge", "INFER_FIELDS", "train_fields"]
 INFER_FIELDS = INFER_INPUT_FIELDS
 
 
-def train_fields(use_kl_loss: bool) -> tuple[str, ...]:
-    """The fields ``train_batch`` reads: the reference log-probs only when the KL loss is on."""
-    return TRAIN_INPUT_FIELDS + (("ref_log_prob",) if use_kl_loss else ())
+def train_fields(use_kl_loss: bool, use_is_weights: bool = False) -> tuple[str, ...]:
+    """The fields ``train_batch`` reads: the reference log-probs only when the KL loss is on, the rollout
+    correction's importance weights only when ``algorithm.rollout_correction.rollout_is`` is set."""
+    return TRAIN_INPUT_FIELDS + (("ref_log_prob",) if use_kl_loss else ()) \
+        + (("rollout_is_weights",) if use_is_weights else ())
 
 
 class StoreBridge:
@@ -65,10 +67,11 @@ class StoreBridge:
         return meta
 
     def train(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, use_kl_loss: bool = False,
-              wants: Sequence[Sequence[str]] | None = None, fields: Sequence[str] | None = None) -> dict:
+              wants: Sequence[Sequence[str]] | None = None, fields: Sequence[str] | None = None,
+              use_is_weights: bool = False) -> dict:
         """One optimizer step on this rank's mini-batch share; returns the engine's metrics (``wants``: as
         :meth:`fetch_infer_inputs`; ``fields``: what the engine reads, default the actor's :func:`train_fields`)."""
-        data = self._fetch(meta, train_fields(use_kl_loss) if fields is None else fields, wants)
+        data = self._fetch(meta, train_fields(use_kl_loss, use_is_weights) if fields is None else fields, wants)
         # padding samples are known by their tag; the engine counts them zero in every normaliser
         data.set("is_padding", torch.tensor([bool(t.get("is_padding", False)) for t in meta.tags], dtype=torch.bool))
         return self.engine.train_batch(Share(data, [list(mb) for mb in micro_batches]))

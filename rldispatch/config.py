@@ -21,6 +21,7 @@ from backends.config import (EngineConfig, FSDPConfig, LoraConfig, MegatronConfi
                              ValueLossConfig)
 from backends.model.config import ModelConfig
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
+from protocol.algos.rollout_correction import RolloutCorrectionConfig
 from dispatch.topology import BackendName, ParallelSection, Topology
 from protocol.config import ConfigError, build_dataclass, coerce_field
 
@@ -54,6 +55,10 @@ class RolloutConfig:
     agent_loop: str = "single_turn"  # a registered agent loop (protocol.rollout.agent_loop): single_turn | tool
     max_turns: int = 4
     log_prob_mode: Literal["recompute", "bypass"] = "recompute"  # recompute (engine) | bypass (the rollout's own)
+    # async modes: a session still generating at a weight sync resumes with the new weights, keeping its tokens and
+    # log-probs (None = true in colocate_async, false in sync); it pauses every partial_rollout_chunk tokens
+    partial_rollout: bool | None = None
+    partial_rollout_chunk: int = 4
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -84,6 +89,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # a KL estimator of protocol.algos.kl (KL_KINDS)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -148,14 +154,18 @@ class RefConfig:
 class ReplayConfig:
     failure_policy: Literal["drop", "keep_successful"] = "drop"
     off_policy_strategy: Literal["drop", "wait"] = "drop"
-    max_off_policy_threshold: int = 8
-    parameter_sync_step: int = 1
+    max_off_policy_threshold: int = 8  # global steps from a prompt's dispatch to its training (span), async modes
     sample_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for key in ("max_off_policy_threshold", "parameter_sync_step", "sample_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"replay.{key} must be > 0, got {getattr(self, key)}")
+
+
+@dataclass
+class ColocateAsyncConfig:
+    num_warmup_batches: int = 1  # batches of prompts submitted ahead of the first step
 
 
 @dataclass
@@ -174,6 +184,10 @@ class TrainerSection:
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a non-finite update: roll back to the pre-step weights | stop
     run_dir_exists: Literal["refuse", "overwrite"] = "refuse"  # a run dir holding another run's metrics/checkpoints
     gc_interval: int = 1  # steps between garbage collections, automatic GC off meanwhile; 0 = Python's automatic GC
+    # sync: generate the step's prompts, then train on them; colocate_async: the training ranks also generate, and
+    # generation outlives the step (docs/async.md); separate_async (rollout ranks apart): refused in this version
+    mode: Literal["sync", "colocate_async", "separate_async"] = "sync"
+    colocate_async: ColocateAsyncConfig = field(default_factory=ColocateAsyncConfig)
 
 
 @dataclass
@@ -310,6 +324,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"actor.lora.rank={cfg.actor.lora.rank} needs actor.backend=fsdp: LoRA adapters are not "
                           f"implemented on actor.backend={cfg.actor.backend}; set actor.lora.rank=0 or "
                           f"actor.backend=fsdp")
+    _check_async(cfg)
     if cfg.algorithm.use_kl_in_reward and not cfg.ref.enabled:
         raise ConfigError("algorithm.use_kl_in_reward=true needs the reference policy: set ref.enabled=true")
     if cfg.rollout.temperature <= 0:
@@ -328,6 +343,33 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"model.max_position_embeddings ({cfg.model.max_position_embeddings})"
         )
     return cfg
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """The schedule, staleness and rollout-correction keys against each other."""
+    t, r, rc = cfg.trainer, cfg.rollout, cfg.algorithm.rollout_correction
+    if t.mode == "separate_async":
+        raise ConfigError("trainer.mode=separate_async is not available in this version (rollout ranks and a weight "
+                          "transfer group are not implemented); use trainer.mode=colocate_async or sync")
+    if cfg.replay.max_off_policy_threshold < 1:
+        raise ConfigError(f"replay.max_off_policy_threshold must be a positive number of global steps, got "
+                          f"{cfg.replay.max_off_policy_threshold}")
+    if t.colocate_async.num_warmup_batches < 0:
+        raise ConfigError(f"trainer.colocate_async.num_warmup_batches must be >= 0, got "
+                          f"{t.colocate_async.num_warmup_batches}")
+    if r.partial_rollout and t.mode == "sync":
+        raise ConfigError("rollout.partial_rollout=true needs an async trainer.mode: in sync mode no session is "
+                          "in flight at a weight sync")
+    if r.partial_rollout_chunk < 1:
+        raise ConfigError(f"rollout.partial_rollout_chunk must be a positive number of tokens, got "
+                          f"{r.partial_rollout_chunk}")
+    if rc.bypass_mode and r.log_prob_mode != "bypass":
+        raise ConfigError("algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old "
+                          "ones: set rollout.log_prob_mode=bypass as well")
+    if rc.enabled and r.log_prob_mode == "bypass":
+        raise ConfigError("algorithm.rollout_correction.rollout_is / rollout_rs compare the recomputed (proximal) "
+                          "log-probs with the rollout's; in bypass mode they are the same (every weight 1): set "
+                          "rollout.log_prob_mode=recompute or leave rollout_is and rollout_rs null")
 
 
 def _check_registered(cfg: RunConfig) -> None:

@@ -1,4 +1,5 @@
-"""The synchronous GRPO step, wired from protocol, dispatch and backends; every rank runs this code (SPMD).
+"""The GRPO step, wired from protocol, dispatch and backends; every rank runs this code (SPMD). When and where
+generation runs around the step (``trainer.mode``) is the schedule's (:mod:`rldispatch.schedule`).
 
 One step: prompts -> uid per prompt -> rollout on each DP replica's reporting rank -> store -> reward ->
 balance and dispatch plan -> old log-probs -> reference log-probs -> KL -> (with a critic: values) -> advantage ->
@@ -44,6 +45,7 @@ from protocol.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_
 from protocol.store.meta import KVBatchMeta
 from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged_many, to_nested
 from protocol.store.replay_buffer import ReplayBuffer, ReplayBufferError
+from protocol.algos.rollout_correction import correction_metrics, rollout_correction
 import protocol.rollout.tasks  # noqa: F401  (registers the task scorers by data_source)
 from protocol.algos.reward import (RewardError, RewardInput, RewardResult, build_reward_manager,
                                    compute_rm_scores, needs_ground_truth, numeric_extras)
@@ -64,7 +66,8 @@ from rldispatch.metrics import (
 )
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, prepare_step_plan
-from rldispatch.rollout import RolloutWorker, run_to_end
+from rldispatch.rollout import RolloutWorker, VersionedGenerate, run_to_end
+from rldispatch.schedule import build_schedule
 from rldispatch.summary import RunSummary
 from protocol.config import to_plain
 from rldispatch.trace import TraceRecorder
@@ -217,7 +220,7 @@ class StepState:
 
 
 class GRPOTrainer:
-    """Holds the run's components; :meth:`fit` runs ``trainer.total_steps`` synchronous GRPO steps."""
+    """Holds the run's components; :meth:`fit` runs ``trainer.total_steps`` GRPO steps under the run's schedule."""
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
@@ -251,16 +254,18 @@ class GRPOTrainer:
         self.bridge = StoreBridge(self.engine, self.store)
         self.ref_bridge = StoreBridge(self.ref_engine, self.store) if self.ref_engine is not None else None
         self.critic_bridge = StoreBridge(self.critic, self.store) if self.critic is not None else None
-        self.replay = ReplayBuffer(self.store, TRAIN, parameter_sync_step=cfg.replay.parameter_sync_step,
-                                   max_off_policy_threshold=cfg.replay.max_off_policy_threshold,
+        self.replay = ReplayBuffer(self.store, TRAIN, max_off_policy_threshold=cfg.replay.max_off_policy_threshold,
                                    off_policy_strategy=cfg.replay.off_policy_strategy,
-                                   failure_policy=cfg.replay.failure_policy)
+                                   failure_policy=cfg.replay.failure_policy,
+                                   mode="sync" if cfg.trainer.mode == "sync" else "async")
         self.rollout = RolloutWorker(cfg.model, self.tokenizer, device=ctx.device, seed=cfg.trainer.seed,
                                      rank=self.dp_rank)
         self.loop = asyncio.new_event_loop()  # the rollout's sessions run on it, step after step
         loop_kwargs = {"max_turns": cfg.rollout.max_turns, "tools": builtin_tools()} \
             if cfg.rollout.agent_loop == "tool" else {}
-        self.agent_loop = build_agent_loop(cfg.rollout.agent_loop, self.rollout.agenerate, tokenizer=self.tokenizer,
+        partial = cfg.rollout.partial_rollout if cfg.rollout.partial_rollout is not None else cfg.trainer.mode != "sync"
+        generate = VersionedGenerate(self.rollout, cfg.rollout.partial_rollout_chunk if partial else None)
+        self.agent_loop = build_agent_loop(cfg.rollout.agent_loop, generate, tokenizer=self.tokenizer,
                                            max_response_length=cfg.data.max_response_length, **loop_kwargs)
         # only the stop token that ended the response is dropped; other special tokens stay in the decoded text:
         # a scorer that never saw them would let the policy pad its answer with <|pad|> and still score full marks
@@ -276,8 +281,11 @@ class GRPOTrainer:
         self.trace = TraceRecorder(trace_path, enabled=cfg.trace.enabled, rank=ctx.rank)
         self.gc = StepGC(cfg.trainer.gc_interval)
         self.step = 0
+        self._resumed_schedule: dict | None = None
         self._maybe_resume()
-        self.rollout.load_weights(self.engine.get_weights())
+        self.rollout.load_weights(self.engine.get_weights(), version=self.step)  # version = the step it serves
+        self.schedule = build_schedule(self)
+        self.schedule.restore(self._resumed_schedule)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _dataset(self, key: str, check) -> RLHFDataset:
@@ -370,6 +378,7 @@ class GRPOTrainer:
         if not (path / RUN_RECORD).is_file() and "config" in extra:  # a checkpoint from before run.json
             changes = check_resume_config({"config": extra["config"]}, to_plain(self.cfg), str(path))
         self.step = int(extra["step"])
+        self._resumed_schedule = extra.get("schedule")
         if "kl_coef" in extra and isinstance(self.kl_ctrl, AdaptiveKLController):
             self.kl_ctrl.value = float(extra["kl_coef"])  # the adaptive coefficient is state; a fixed one is config
         dropped = self.metrics.keep_through(self.step)
@@ -398,9 +407,11 @@ class GRPOTrainer:
         if self.ctx.is_main and partial.exists():
             shutil.rmtree(partial)  # a killed save's leftovers
         dist.barrier()
-        self.engine.save_checkpoint(str(partial), extra_state={"step": self.step,
-                                                                "kl_coef": float(self.kl_ctrl.value),
-                                                                "config": to_plain(self.cfg)})
+        extra = {"step": self.step, "kl_coef": float(self.kl_ctrl.value), "config": to_plain(self.cfg)}
+        schedule = self.schedule.state()
+        if schedule is not None:
+            extra["schedule"] = schedule  # an async run's prompt stream and outstanding prompts
+        self.engine.save_checkpoint(str(partial), extra_state=extra)
         if self.critic is not None:  # beside the actor's; an export reads the actor's weights only
             self.critic.save_checkpoint(str(partial / "critic"), extra_state={"step": self.step})
         dist.barrier()
@@ -415,12 +426,25 @@ class GRPOTrainer:
         dist.barrier()
 
     # ------------------------------------------------------------------------------------------------ rollout
-    def _rollout(self, rows: list[dict], uids: list[str], partition: str, step: int, sampling: dict) -> None:
-        """Each DP replica's reporting rank generates its share of prompts (round robin) into its local store."""
+    def _my_prompts(self, count: int) -> list[int]:
+        """Positions of a submission's prompts this rank generates: round robin over the DP replicas' reporting
+        ranks."""
         dp = self.topology.dp_size
-        mine = [i for i in range(len(rows)) if i % dp == self.dp_rank] if self.reporting else []
+        return [i for i in range(count) if i % dp == self.dp_rank] if self.reporting else []
+
+    def _rollout(self, rows: list[dict], uids: list[str], partition: str, step: int, sampling: dict,
+                 seed_step: int | None = -1, wait: bool = True) -> asyncio.Task | None:
+        """Each DP replica's reporting rank generates its share of prompts (round robin) into its local store.
+
+        ``seed_step`` reseeds the sampling stream as step ``seed_step`` (default: ``step``; None: no reseed).
+        ``wait=False`` returns the generation's task on the trainer's loop instead of running it to the end."""
+        mine = self._my_prompts(len(rows))
+        seed_step = step if seed_step == -1 else seed_step
+        task = None
         if mine:
-            self.rollout.reseed(self.cfg.trainer.seed * 7919 + step * 2 + (partition == VAL), rank=self.dp_rank)
+            if seed_step is not None:
+                self.rollout.reseed(self.cfg.trainer.seed * 7919 + seed_step * 2 + (partition == VAL),
+                                    rank=self.dp_rank)
             frac = self.cfg.debug.inject_rollout_failures if partition == TRAIN else 0.0
             kwargs = []
             for i in mine:
@@ -431,10 +455,15 @@ class GRPOTrainer:
                     kw["inject_failure"] = True
                 kwargs.append(kw)
             loop = FaultInjectingLoop(self.agent_loop) if frac > 0 else self.agent_loop
-            run_to_end(self.loop, run_groups(
-                self.store, [uids[i] for i in mine], [rows[i]["raw_prompt"] for i in mine],
-                self.cfg.rollout.n if partition == TRAIN else 1, loop, step, partition, sampling, row_kwargs=kwargs))
-        self.store.sync()
+            groups = run_groups(self.store, [uids[i] for i in mine], [rows[i]["raw_prompt"] for i in mine],
+                                self.cfg.rollout.n if partition == TRAIN else 1, loop, step, partition, sampling,
+                                row_kwargs=kwargs)
+            if not wait:
+                return self.loop.create_task(groups)
+            run_to_end(self.loop, groups, cancel_left=not self.schedule.keeps_generating)
+        if wait:
+            self.store.sync()
+        return task
 
     def _score(self, keys: list[str], partition: str, rows_by_uid: dict[str, dict],
                pad: torch.Tensor | None = None) -> RewardResult:
@@ -466,7 +495,8 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
-        """One synchronous GRPO step: each stage takes the step's :class:`KVBatchMeta` and returns it."""
+        """One GRPO step: each stage takes the step's :class:`KVBatchMeta` and returns it; the schedule fills the
+        rollout and sample stages."""
         st = StepState(self.step, self._sample_prompts())
         t_step = time.perf_counter()
         batch = self._stage("rollout", st, self._generate, None)             # 1. sessions -> local stores
@@ -503,25 +533,34 @@ class GRPOTrainer:
             raise
 
     def _sample_prompts(self) -> tuple[list[dict], list[str]]:
+        return self._prompts_at(self.step * self.cfg.data.train_batch_size, self.cfg.data.train_batch_size)
+
+    def _prompts_at(self, start: int, count: int) -> tuple[list[dict], list[str]]:
+        """Prompts ``start .. start + count - 1`` of the training stream: prompt ``p`` is position ``p % B`` of
+        step ``p // B``'s batch (rows and uids), so a step of ``B`` prompts takes exactly that step's batch."""
         cfg, B = self.cfg, self.cfg.data.train_batch_size
-        rows = [self.train_set[i] for i in batch_indices(len(self.train_set), B, self.step, cfg.trainer.seed,
-                                                          cfg.data.shuffle)]
-        return rows, step_uids(cfg.trainer.seed, self.step, B)
+        rows, uids = [], []
+        for batch in range(start // B, (start + count - 1) // B + 1):
+            lo, hi = max(start - batch * B, 0), min(start + count - batch * B, B)
+            idx = batch_indices(len(self.train_set), B, batch, cfg.trainer.seed, cfg.data.shuffle)[lo:hi]
+            rows += [self.train_set[i] for i in idx]
+            uids += step_uids(cfg.trainer.seed, batch, B)[lo:hi]
+        return rows, uids
+
+    def _train_sampling(self) -> dict:
+        cfg = self.cfg
+        return {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                "max_tokens": cfg.data.max_response_length}
 
     def _generate(self, _: None, st: "StepState") -> None:
-        cfg = self.cfg
+        self.schedule.generate(st)
         self.trace.select(st.uids[0])
-        sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-                    "max_tokens": cfg.data.max_response_length}
-        self._rollout(st.rows, st.uids, TRAIN, st.step, sampling)
         return None
 
     def _sample(self, _: None, st: "StepState") -> KVBatchMeta:
         cfg, B = self.cfg, self.cfg.data.train_batch_size
         try:
-            # sync mode: every group of the step is terminal now, so fewer than B usable groups means
-            # some failed or went stale; train on the rest rather than wait for groups that never come
-            meta = self.replay.sample(B, current_step=st.step, timeout=cfg.replay.sample_timeout_s, partial_ok=True)
+            meta = self.schedule.sample(st, B)
         except ReplayBufferError as exc:
             raise NoUsableGroupsError(
                 f"step {st.step}: no usable prompt group among {B} (replay.failure_policy="
@@ -553,7 +592,7 @@ class GRPOTrainer:
         return full
 
     def _compute_reward(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
-        result = self._score(st.own, TRAIN, dict(zip(st.uids, st.rows)), st.own_pad)
+        result = self._score(st.own, TRAIN, self.schedule.rows, st.own_pad)
         st.stats.masked("reward/score", result.scores.double(), st.own_pad)
         self._reward_extra_metrics(result, st.own_pad, st.stats)
         st.stats.sum("samples/real", float((~st.own_pad).sum()))
@@ -619,7 +658,9 @@ class GRPOTrainer:
     def _compute_advantage(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         self._advantage(st.owners, st.own_pad, st.stats)
         # each rank wrote its own groups' fields, which every rank knows: their locations need no collective
-        self.store.sync_planned(st.owners, TRAIN, ADVANTAGE_FIELDS)
+        rc = self.cfg.algorithm.rollout_correction
+        corrected = (("rollout_is_weights",) if rc.rollout_is else ()) + (("response_mask",) if rc.rollout_rs else ())
+        self.store.sync_planned(st.owners, TRAIN, ADVANTAGE_FIELDS + corrected)
         self._trace("advantage", st.sampled, ["token_level_rewards", "advantages", "returns"], "advantage", "actor")
         if self.cfg.debug.check_invariants:
             self._check_invariants(st.own)
@@ -628,9 +669,11 @@ class GRPOTrainer:
     def _update_actor(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         if self.critic is None or st.step >= self.cfg.critic.warmup_steps:  # the critic's warm-up: no update
             shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
+            use_is = self.cfg.algorithm.rollout_correction.rollout_is is not None
             updates = [self.bridge.train(mb.meta(full), mb.micro_batches,
                                          use_kl_loss=self.cfg.actor.loss.use_kl_loss,
-                                         wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
+                                         wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares],
+                                         use_is_weights=use_is)
                        for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
             st.metrics.update(combine_update_metrics(updates))
         self._sample_metrics(st.own, st.own_pad, st.stats)
@@ -648,14 +691,14 @@ class GRPOTrainer:
 
     def _clear(self, full: KVBatchMeta, st: "StepState") -> None:
         self.replay.clear(st.sampled, extra_keys=st.plan.padding_keys)
-        self.store.kv_clear(st.uids, TRAIN)  # prompt keys of groups the replay buffer dropped earlier
+        self.schedule.after_clear(st)
         st.stats.sum("store/keys_after_clear", float(self.store.num_keys()))
 
     def _collect_garbage(self, _: KVBatchMeta | None, st: "StepState") -> None:
         self.gc.step_done(st.step)
 
     def _sync_weights(self, _: KVBatchMeta | None, st: "StepState") -> None:
-        self.rollout.load_weights(self.engine.get_weights())
+        self.rollout.load_weights(self.engine.get_weights(), version=st.step + 1)
 
     def _finish(self, st: "StepState", seconds: float) -> dict[str, float]:
         m = st.metrics
@@ -664,6 +707,9 @@ class GRPOTrainer:
         m.update(st.stats.reduce(device=self.ctx.device))  # the step's one metrics collective
         if _EV_SUMS[0] in m:
             m["critic/vf_explained_var"] = explained_variance(*(m.pop(k) for k in _EV_SUMS))
+        corr = {k[len("rollout_corr/_"):]: m.pop(k) for k in [k for k in m if k.startswith("rollout_corr/_")]}
+        m.update(correction_metrics(corr))
+        m.update(self.schedule.step_metrics(st, seconds))
         if isinstance(self.kl_ctrl, AdaptiveKLController) and "kl/mean" in m:
             self.kl_ctrl.update(m["kl/mean"], n_steps=self.cfg.data.train_batch_size)
         m["kl/coef"] = float(self.kl_ctrl.value)
@@ -707,23 +753,51 @@ class GRPOTrainer:
             zeros = [torch.zeros(r.shape[0], dtype=torch.float32) for r in td["response_mask"].unbind()]
             self.store.kv_batch_put(pad, TRAIN, batch_of({"old_log_probs": to_nested(zeros)}, len(pad)))
 
+    def _rollout_correction(self, own: list[str], pad: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor,
+                            lengths: Any, stats: StepStats) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``algorithm.rollout_correction`` on this rank's groups: the mask the advantage uses and the fields to write
+        with it, ``rollout_is_weights`` (with ``rollout_is``) and the rejection-masked ``response_mask`` (with
+        ``rollout_rs``)."""
+        rc = self.cfg.algorithm.rollout_correction
+        real = [k for k, p in zip(own, pad.tolist()) if not p]
+        rollout_lp = torch.zeros_like(old_lp)
+        if real:  # padding samples have no rollout log-probs (their mask is 0)
+            got = jagged_to_padded(self.store.read_local(real, TRAIN, ["rollout_log_probs"])["rollout_log_probs"])
+            rollout_lp[(~pad).nonzero().squeeze(-1), :got.shape[1]] = got.float()
+        weights, kept, sums = rollout_correction(rc, old_lp, rollout_lp, mask.bool() & ~pad[:, None])
+        for k, v in sums.items():
+            stats.sum(f"rollout_corr/_{k}", v)
+        fields = {}
+        if weights is not None:
+            fields["rollout_is_weights"] = padded_to_jagged_many((weights.float(),), lengths)[0]
+        if kept is not None:
+            mask = (kept | (mask.bool() & pad[:, None])).to(mask.dtype)
+            fields["response_mask"] = padded_to_jagged_many((mask.to(torch.int64),), lengths)[0]
+        return mask, fields
+
     def _advantage(self, owners: list[list[str]], pad: torch.Tensor, stats: StepStats) -> None:
         """On the rank that holds each group (all of a group is generated on one rank): rewards, advantages.
 
         ``owners[r]``: the keys rank ``r`` generated. Old and reference log-probs travel here only when the KL
-        penalty enters the reward; the scores and masks are already here (nothing travels without it).
+        penalty enters the reward or the rollout correction compares them with the rollout's; the scores and masks
+        are already here (nothing travels without them).
         """
         own = owners[self.store.rank]
         cfg = self.cfg
         in_reward = cfg.algorithm.use_kl_in_reward  # config validation guarantees a reference
         critic = self.critic is not None
+        correct = cfg.algorithm.rollout_correction.enabled
         need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else []) \
-            + (["values"] if critic else [])
+            + (["old_log_probs"] if correct and not in_reward else []) + (["values"] if critic else [])
         td = self.store.fetch_planned(owners, TRAIN, need)
         moments = [0.0, 0.0, 0.0]
         if own:
             lengths = nested_lengths(td["response_mask"])
             mask = jagged_to_padded(td["response_mask"]).float()
+            corrected: dict[str, torch.Tensor] = {}
+            if correct:
+                mask, corrected = self._rollout_correction(own, pad, jagged_to_padded(td["old_log_probs"]).float(),
+                                                           mask, lengths, stats)
             scores = jagged_to_padded(td["rm_scores"]).float()
             if in_reward:
                 old = jagged_to_padded(td["old_log_probs"]).float()
@@ -751,8 +825,8 @@ class GRPOTrainer:
             if critic:
                 adv = whiten_by_moments(adv, real, moments)
             values = (scores, rewards, adv.float(), ret.float())
-            fields = dict(zip(ADVANTAGE_FIELDS, padded_to_jagged_many(values, lengths)))
-            self.store.kv_batch_put(own, TRAIN, batch_of(fields, len(own)))
+            fields = dict(zip(ADVANTAGE_FIELDS, padded_to_jagged_many(values, lengths)), **corrected)
+            self.store.kv_batch_put(own, TRAIN, batch_of(fields, len(own)), overwrite=bool(corrected))
 
     @staticmethod
     def _value_metrics(values: torch.Tensor, returns: torch.Tensor, real: torch.Tensor, stats: StepStats) -> None:
@@ -823,10 +897,14 @@ class GRPOTrainer:
         self.summary.record(self.step, pending_val)
         self.gc.start()
         try:
+            self.schedule.begin()
             code = self._loop(pending_val, bar)
         finally:
             self.gc.stop()
-            self.loop.close()
+            try:
+                self.schedule.end()
+            finally:
+                self.loop.close()
         if self.ctx.is_main:
             print(self.summary.text(self.step, cfg.trainer.total_steps, time.perf_counter() - started, self.run_dir,
                                     self.metrics.path, code), flush=True)

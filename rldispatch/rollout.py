@@ -15,20 +15,21 @@ from backends.model.llama import LlamaModel
 from protocol.rollout.tokenizer import (TokenizerError, VocabularyError, check_vocab_fits, generation_stop_ids,
                                         stop_token_ids)
 
-__all__ = ["RolloutError", "SamplingParams", "RolloutWorker", "run_to_end"]
+__all__ = ["RolloutError", "SamplingParams", "RolloutWorker", "run_to_end", "VersionedGenerate"]
 
 
 class RolloutError(ValueError):
     """Bad sampling parameters, prompts or weights given to the rollout worker; the message names the value."""
 
 
-def run_to_end(loop: asyncio.AbstractEventLoop, coro: Any) -> Any:
+def run_to_end(loop: asyncio.AbstractEventLoop, coro: Any, cancel_left: bool = True) -> Any:
     """``coro``'s result, run on ``loop``, which the caller keeps across steps (``asyncio.run`` makes and tears down
-    a loop per call); tasks it leaves behind are cancelled and awaited, as ``asyncio.run`` does with them."""
+    a loop per call); tasks it leaves behind are cancelled and awaited, as ``asyncio.run`` does with them, unless
+    ``cancel_left`` is false (an asynchronous schedule's generation outlives the call)."""
     try:
         return loop.run_until_complete(coro)
     finally:
-        left = asyncio.all_tasks(loop)
+        left = asyncio.all_tasks(loop) if cancel_left else set()
         for task in left:
             task.cancel()
         if left:
@@ -244,6 +245,13 @@ class RolloutWorker:
         is ready to generate joins it; batch composition (and thus the samples) is deterministic for a fixed
         order of requests.
         """
+        token_ids, logprobs, _ = await self.agenerate_versioned(prompt_ids, sampling_params)
+        return token_ids, logprobs
+
+    async def agenerate_versioned(self, prompt_ids: Sequence[int],
+                                  sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                                  ) -> tuple[list[int], list[float], int]:
+        """:meth:`agenerate` plus the weight version that generated the tokens (read when the batch ran)."""
         params = SamplingParams.from_any(sampling_params)
         prompt = self._check_prompt(prompt_ids, "agenerate")
         self._check_fits(prompt, params, "agenerate")
@@ -271,6 +279,45 @@ class RolloutWorker:
                     if not r.future.done():
                         r.future.set_exception(exc)
                 continue
+            version = self.weights_version
             for r, res in zip(live, results):
                 if not r.future.done():
-                    r.future.set_result(res)
+                    r.future.set_result((*res, version))
+
+
+class VersionedGenerate:
+    """The agent loop's ``generate``: a :class:`Generated` tagged with the weight versions that produced it.
+
+    With ``chunk`` (partial rollout) a response is generated ``chunk`` tokens at a time, each chunk a new request
+    that continues the prompt and the tokens so far; between chunks the session waits on the event loop, so a
+    weight sync that happens meanwhile makes the next chunk use the new weights. The tokens and log-probs of
+    earlier chunks are kept. Without ``chunk`` a response is one request: one version.
+    """
+
+    def __init__(self, worker: RolloutWorker, chunk: int | None = None):
+        if chunk is not None and chunk < 1:
+            raise RolloutError(f"partial rollout chunk must be >= 1 token, got {chunk}")
+        self.worker, self.chunk = worker, chunk
+
+    async def __call__(self, prompt_ids: Sequence[int], sampling_params: Any = None) -> "Generated":
+        from protocol.rollout.agent_loop.base import Generated
+
+        params = SamplingParams.from_any(sampling_params)
+        if self.chunk is None or self.chunk >= params.max_tokens:
+            toks, lps, version = await self.worker.agenerate_versioned(prompt_ids, params)
+            return Generated(toks, lps, (version,))
+        prompt = list(prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)
+        toks: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        stops = self.worker.stop_token_ids
+        while len(toks) < params.max_tokens:
+            want = min(self.chunk, params.max_tokens - len(toks))
+            part, part_lps, version = await self.worker.agenerate_versioned(
+                prompt + toks, dataclasses.replace(params, max_tokens=want))
+            toks.extend(part)
+            lps.extend(part_lps)
+            versions.append(version)
+            if len(part) < want or (part and part[-1] in stops):
+                break
+        return Generated(toks, lps, versions)

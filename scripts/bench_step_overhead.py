@@ -93,6 +93,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     from rldispatch.gc_policy import StepGC
     from rldispatch.grpo import DistContext, GRPOTrainer
     from rldispatch.metrics import MetricsLogger
+    from rldispatch.schedule import build_schedule
     from rldispatch.trace import TraceRecorder
 
     prompts = size // ROLLOUT_N
@@ -117,7 +118,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     t.store = ShardedStore(LocalStore())
     t.bridge, t.ref_bridge = StoreBridge(None, t.store), None
     t.critic = t.critic_bridge = None  # no critic: the GRPO step
-    t.replay = ReplayBuffer(t.store, "train", failure_policy=cfg.replay.failure_policy)
+    t.replay = ReplayBuffer(t.store, "train", failure_policy=cfg.replay.failure_policy, mode="sync")
     t.rollout = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer),
                                  pool=size)
     t.loop = asyncio.new_event_loop()
@@ -132,6 +133,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     t.trace = TraceRecorder(str(work / f"trace{rank}.jsonl"), enabled=False, rank=rank)
     t.gc = StepGC(cfg.trainer.gc_interval)  # started by the caller, as fit() does
     t.step = 0
+    t.schedule = build_schedule(t)  # trainer.mode=sync: generate the step's prompts, then train on them
     return t
 
 

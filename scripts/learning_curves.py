@@ -40,6 +40,9 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "fsdp-dp2": ("actor.backend=fsdp",),
     "megatron-dp2": ("actor.backend=megatron", "actor.megatron.tp=1"),
     "megatron-tp2": ("actor.backend=megatron", "actor.megatron.tp=2"),
+    # asynchronous training (docs/async.md): one warm-up batch ahead, partial rollout, drop at span > 8
+    "fsdp-dp2-colocate_async": ("actor.backend=fsdp", "trainer.mode=colocate_async"),
+    "megatron-dp2-colocate_async": ("actor.backend=megatron", "actor.megatron.tp=1", "trainer.mode=colocate_async"),
 }
 NPROC = 2
 VAL_KEY = "val/score/mean"

@@ -237,10 +237,12 @@ class FSDPEngine(Engine):
                 mask = mask & ~view.is_padding[mb].to(self.device)[:, None]
             old = self._padded([view.old_log_probs[j] for j in mb])
             adv = self._padded([view.advantages[j] for j in mb])
+            isw = self._padded([view.rollout_is_weights[j] for j in mb]) if view.rollout_is_weights is not None \
+                else None
             pg, m = policy_loss(old, lp_p, adv, mask, clip_ratio_low=lc.clip_ratio_low,
                                 clip_ratio_high=lc.clip_ratio_high, clip_ratio_c=lc.clip_ratio_c,
                                 loss_agg_mode=lc.loss_agg_mode, global_tokens=g_tokens, global_seqs=g_seqs,
-                                horizon=horizon)
+                                horizon=horizon, rollout_is_weights=isw)
             loss = pg
             ent_share = entropy_bonus(ent_p, mask, lc.loss_agg_mode, g_tokens, g_seqs, horizon=horizon)
             if want_ent:

@@ -31,6 +31,7 @@ class ShareView:
     old_log_probs: list[torch.Tensor] | None = None
     advantages: list[torch.Tensor] | None = None
     ref_log_prob: list[torch.Tensor] | None = None
+    rollout_is_weights: list[torch.Tensor] | None = None
     is_padding: torch.Tensor | None = None
     extra: dict[str, list[torch.Tensor]] | None = None  # the per-response fields asked for by name (``fields=``)
 
@@ -85,8 +86,9 @@ def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_toke
         if x.is_floating_point():
             raise TypeError(f"share field 'input_ids' must hold integer token ids, sample {i} has dtype {x.dtype}")
     view = ShareView(n=n, input_ids=ids, response_mask=rmask, seq_lens=seq_lens, response_lens=rlens)
-    per_response = (("old_log_probs", "advantages") + (("ref_log_prob",) if use_kl_loss else ()) if train else ()) \
-        + tuple(fields)
+    weighted = ("rollout_is_weights",) if train and "rollout_is_weights" in present else ()
+    per_response = (("old_log_probs", "advantages") + (("ref_log_prob",) if use_kl_loss else ()) + weighted
+                    if train else ()) + tuple(fields)
     for name in per_response:
         rows = _rows(data, name, n)
         for i, (x, r) in enumerate(zip(rows, rlens)):

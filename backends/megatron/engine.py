@@ -453,7 +453,8 @@ class MegatronEngine(Engine):
         pg, m = policy_loss(mb.fields["old_log_probs"], logp_pad, mb.fields["advantages"], mask,
                             clip_ratio_low=lcfg.clip_ratio_low, clip_ratio_high=lcfg.clip_ratio_high,
                             clip_ratio_c=lcfg.clip_ratio_c, loss_agg_mode=lcfg.loss_agg_mode,
-                            global_tokens=tokens, global_seqs=seqs, horizon=horizon)
+                            global_tokens=tokens, global_seqs=seqs, horizon=horizon,
+                            rollout_is_weights=mb.fields.get("rollout_is_weights"))
         loss = pg
         ent_share = entropy_bonus(pad(ent), mask, lcfg.loss_agg_mode, tokens, seqs, horizon=horizon)
         if lcfg.entropy_coeff != 0.0:
@@ -469,7 +470,8 @@ class MegatronEngine(Engine):
 
     def train_batch(self, share: Share) -> dict[str, float]:
         t0 = time.perf_counter()
-        fields = _TRAIN_FIELDS + (("ref_log_prob",) if self.config.loss.use_kl_loss else ())
+        fields = _TRAIN_FIELDS + (("ref_log_prob",) if self.config.loss.use_kl_loss else ()) \
+            + (("rollout_is_weights",) if "rollout_is_weights" in share.data.keys() else ())
         mbs = self._micro_batches(share, fields)
         counts = self._global_counts(mbs)
         for c in self.chunks:

@@ -154,13 +154,16 @@ def policy_loss(
     global_tokens: Count,
     global_seqs: Count,
     horizon: float | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Mapping[str, Tensor]]:
     """Dual-clip PPO loss and its metrics; every tensor [n, L] padded, ``response_mask`` 0 on padding/observation.
 
     Per token, with ``r = exp(clamp(log_prob - old_log_prob, ±LOG_RATIO_BOUND))`` and advantage ``A``:
     ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``, and for ``A < 0`` additionally
     ``l = min(l, -A clip_ratio_c)`` (dual clip: the loss of a negative-advantage token is capped at
-    ``clip_ratio_c * |A|``). The loss is :func:`agg_loss` of ``l`` in ``loss_agg_mode``.
+    ``clip_ratio_c * |A|``). With ``rollout_is_weights`` (truncated importance weights of the proximal over the
+rollout policy, :mod:`protocol.algos.rollout_correction`) each ``l`` is multiplied by its token's weight. The loss
+is :func:`agg_loss` of ``l`` in ``loss_agg_mode``.
 
     Metrics (detached scalars, each ``sum over masked tokens / global_tokens``, so they add up over micro-batches
     and ranks to the step value): ``clipfrac`` (the clipped term was chosen), ``clipfrac_lower`` (the dual clip
@@ -188,6 +191,9 @@ def policy_loss(
     dual = torch.minimum(clipped, loss3)
     negative = adv < 0
     per_token = torch.where(negative, dual, clipped)
+    if rollout_is_weights is not None:
+        _check_mat("rollout_is_weights", rollout_is_weights, response_mask)
+        per_token = per_token * _masked(rollout_is_weights.detach().to(per_token.dtype), mask)
     loss = agg_loss(per_token, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
                     horizon=horizon)
 

@@ -1,4 +1,5 @@
-"""ReplayBuffer: terminal groups only, oldest first, failure policy, staleness drop / wait, real concurrent writers."""
+"""ReplayBuffer: terminal groups only, oldest first, failure policy, staleness drop / wait (verl V1's rules and
+boundaries), refill, real concurrent writers."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from protocol.rollout.agent_loop import AgentLoop, AgentLoopOutput, SingleTurnAgentLoop, register_prompts, run_group
 from protocol.store.keys import new_uid, parse_trajectory_key, prompt_tag, trajectory_key, trajectory_tag
 from protocol.store.replay_buffer import (
-    ReplayBuffer, ReplayBufferConfig, ReplayBufferError, SampleTimeoutError, snapshot, staleness,
+    ReplayBuffer, ReplayBufferConfig, ReplayBufferError, SampleTimeoutError, snapshot, span, version_metrics,
 )
 from protocol.store import LocalStore
 from protocol.rollout.tokenizer import CharTokenizer
@@ -32,15 +33,16 @@ def put_group(store, status, born, n=2, pid="train", traj_born=None, uid=None):
 
 
 @settings(max_examples=100, deadline=None)
-@given(cur=st.integers(0, 1000), born=st.integers(0, 1000), k=st.integers(1, 8))
-def test_staleness_formula(cur, born, k):
-    assert staleness(cur, born, k) == pytest.approx((cur - born + 1) / k)
+@given(cur=st.integers(0, 1000), born=st.integers(0, 1000))
+def test_span_formula(cur, born):
+    assert span(cur, born) == cur - born + 1
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    (dict(parameter_sync_step=0), "parameter_sync_step"), (dict(max_off_policy_threshold=0), "threshold"),
+    (dict(max_off_policy_threshold=0), "threshold"), (dict(max_off_policy_threshold=2.5), "threshold"),
+    (dict(max_off_policy_threshold=True), "threshold"),
     (dict(off_policy_strategy="keep"), "off_policy_strategy"), (dict(failure_policy="retry"), "failure_policy"),
-    (dict(poll_interval=0), "poll_interval"), (dict(timeout=-1), "timeout"),
+    (dict(poll_interval=0), "poll_interval"), (dict(timeout=-1), "timeout"), (dict(mode="colocate"), "mode"),
 ])
 def test_config_errors(kwargs, fragment):
     with pytest.raises(ReplayBufferError, match=fragment):
@@ -74,7 +76,7 @@ def test_oldest_first_whole_groups_and_never_twice():
     assert all(t["seq_len"] == 7 for t in meta.tags)
     m = meta.extra_info["metrics"]
     assert m["replay/num_groups"] == 2 and m["replay/num_trajectories"] == 3
-    assert m["off_policy/staleness/max"] == 4 and m["off_policy/staleness/min"] == 2
+    assert m["off_policy/span/max"] == 4 and m["off_policy/span/min"] == 2
     assert m["replay/groups_running"] == 1 and m["replay/groups_finished"] == 3
     meta2 = rb.sample(1, current_step=5)
     assert meta2.extra_info["uids"] == [young]
@@ -112,37 +114,74 @@ def test_failure_policy_keep_successful():
     assert empty not in store.kv_list("train")["train"]
 
 
-def test_drop_strategy_evicts_stale_groups_with_metrics():
+def test_drop_evicts_span_over_threshold_keeps_span_equal_and_refills_exactly_k():
     store = LocalStore()
-    stale_a = put_group(store, "finished", 0, n=2)           # staleness at step 9: 10
+    refills = []
+    stale_a = put_group(store, "finished", 0, n=2)           # span at step 9: 10
     stale_b = put_group(store, "finished", 1, n=1)           # 9
-    fresh = put_group(store, "finished", 2, n=1)             # 8 (== threshold: kept)
-    partial = put_group(store, "finished", 5, n=1, traj_born=0)  # born 5 but tokens from step 0 -> 10
-    rb = ReplayBuffer(store, "train", max_off_policy_threshold=8, off_policy_strategy="drop", **FAST)
-    meta = rb.sample(1, 9)
-    assert meta.extra_info["uids"] == [fresh]
+    edge = put_group(store, "finished", 2, n=1)              # 8 == threshold: kept (strict >)
+    partial = put_group(store, "finished", 5, n=1, traj_born=0)  # dispatched at 5: span 5, whatever its versions
+    running_old = put_group(store, "running", 0)             # in flight: never evicted
+    rb = ReplayBuffer(store, "train", max_off_policy_threshold=8, off_policy_strategy="drop",
+                      refill=refills.append, **FAST)
+    meta = rb.sample(2, 9)
+    assert meta.extra_info["uids"] == [edge, partial]
     m = meta.extra_info["metrics"]
-    assert m["off_policy/dropped_samples"] == 4 and m["off_policy/dropped_groups"] == 3
-    assert m["off_policy/dropped_samples_staleness/max"] == 10
-    assert m["off_policy/dropped_samples_staleness/min"] == 9
-    assert m["off_policy/dropped_samples_staleness/mean"] == pytest.approx((10 + 10 + 9 + 10) / 4)
+    assert m["off_policy/evicted_samples"] == 3 and m["off_policy/evicted_groups"] == 2
+    assert m["off_policy/evicted_samples_staleness/max"] == 10
+    assert m["off_policy/evicted_samples_staleness/min"] == 9
+    assert m["off_policy/evicted_samples_staleness/mean"] == pytest.approx((10 + 10 + 9) / 3)  # per sample
+    assert refills == [2] and m["replay/groups_refilled"] == 2
     listed = store.kv_list("train")["train"]
-    assert not ({stale_a, stale_b, partial} & {k.split("_")[0] for k in listed})
+    assert not ({stale_a, stale_b} & {k.split("_")[0] for k in listed}) and running_old in listed
 
 
-def test_parameter_sync_step_scales_staleness():
+def test_failed_and_stale_group_is_evicted_and_refilled_once():
     store = LocalStore()
-    put_group(store, "finished", 0, n=1)
-    rb = ReplayBuffer(store, "train", parameter_sync_step=4, max_off_policy_threshold=2, **FAST)
-    meta = rb.sample(1, 7)  # (7 - 0 + 1) / 4 = 2 -> kept
-    assert meta.extra_info["metrics"]["off_policy/staleness/mean"] == 2
+    refills = []
+    put_group(store, "failure", 0, n=1)   # failed and stale at step 5
+    good = put_group(store, "finished", 5, n=1)
+    rb = ReplayBuffer(store, "train", max_off_policy_threshold=2, refill=refills.append, **FAST)
+    meta = rb.sample(1, 5)
+    m = meta.extra_info["metrics"]
+    assert meta.extra_info["uids"] == [good] and refills == [1]
+    assert m["replay/failed_groups_dropped"] == 1 and m["off_policy/evicted_groups"] == 0
 
 
-def test_wait_strategy_blocks_on_near_stale_in_flight_group():
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+def test_sync_mode_and_val_partition_ignore_the_strategy(strategy):
+    for mode, pid in (("sync", "train"), ("async", "val")):
+        store = LocalStore()
+        refills = []
+        old = put_group(store, "finished", 0, n=1, pid=pid)
+        put_group(store, "running", 0, n=1, pid=pid)  # would block 'wait' in the async train partition
+        rb = ReplayBuffer(store, pid, max_off_policy_threshold=1, off_policy_strategy=strategy, mode=mode,
+                          refill=refills.append, **FAST)
+        meta = rb.sample(1, 50, timeout=0)
+        assert meta.extra_info["uids"] == [old] and refills == []
+        assert meta.extra_info["metrics"]["off_policy/evicted_samples"] == 0 and rb.blocking(50) == []
+
+
+@pytest.mark.parametrize("status", ["pending", "running"])
+def test_wait_blocks_at_the_threshold_not_below(status):
+    store = LocalStore()
+    fresh = put_group(store, "finished", 6, n=1)
+    inflight = put_group(store, status, 5)
+    rb = ReplayBuffer(store, "train", max_off_policy_threshold=3, off_policy_strategy="wait", **FAST)
+    # step 6: span of the in-flight group = 2 < 3: no block
+    assert rb.blocking(6) == [] and rb.sample(1, 6, timeout=0).extra_info["uids"] == [fresh]
+    # step 7: span = 3 == threshold: blocks, even though a finished group is ready
+    put_group(store, "finished", 7, n=1)
+    assert rb.blocking(7) == [inflight]
+    with pytest.raises(SampleTimeoutError, match=f"{status}=1.*'wait'"):
+        rb.sample(1, 7, timeout=0)
+
+
+def test_wait_strategy_waits_for_the_in_flight_group_then_takes_it_first():
     store = LocalStore()
     fresh = put_group(store, "finished", 6, n=1)
     old_uid = new_uid()
-    store.kv_batch_put([old_uid], "train", tags=[prompt_tag(0, "running")])  # staleness at step 8 would be 9
+    store.kv_batch_put([old_uid], "train", tags=[prompt_tag(0, "running")])  # span at step 7: 8
     rb = ReplayBuffer(store, "train", max_off_policy_threshold=8, off_policy_strategy="wait", **FAST)
     with pytest.raises(SampleTimeoutError, match="running=1.*'wait'"):
         rb.sample(1, 7, timeout=0.02)
@@ -160,13 +199,13 @@ def test_wait_strategy_blocks_on_near_stale_in_flight_group():
     assert rb.sample(1, 7).extra_info["uids"] == [fresh]
 
 
-def test_wait_strategy_does_not_block_on_young_in_flight_groups_and_never_drops():
+def test_wait_strategy_never_evicts_a_very_stale_finished_group():
     store = LocalStore()
-    old = put_group(store, "finished", 0, n=1)  # already over the threshold at step 20: kept under 'wait'
+    old = put_group(store, "finished", 0, n=1)  # span 21 at step 20: kept under 'wait'
     store.kv_batch_put([new_uid()], "train", tags=[prompt_tag(19, "running")])
     rb = ReplayBuffer(store, "train", max_off_policy_threshold=8, off_policy_strategy="wait", **FAST)
     meta = rb.sample(1, 20, timeout=1)
-    assert meta.extra_info["uids"] == [old] and meta.extra_info["metrics"]["off_policy/dropped_samples"] == 0
+    assert meta.extra_info["uids"] == [old] and meta.extra_info["metrics"]["off_policy/evicted_samples"] == 0
 
 
 def test_partial_ok_and_no_usable_group():
@@ -256,43 +295,43 @@ group_specs = st.lists(st.tuples(st.sampled_from(["pending", "running", "finishe
 @given(specs=group_specs, step=st.integers(0, 14), bs=st.integers(1, 4), threshold=st.integers(1, 6),
        failure=st.sampled_from(["drop", "keep_successful"]))
 def test_sample_matches_reference_model(specs, step, bs, threshold, failure):
-    """drop strategy: the chosen groups are the bs oldest terminal, usable, non-stale ones (arrival breaks ties)."""
+    """drop strategy: the chosen groups are the bs oldest terminal, usable ones with span <= threshold (arrival
+    breaks ties); exactly the evicted groups are refilled."""
     store = LocalStore()
+    refills = []
     uids = [put_group(store, st_, born, n) for st_, born, n in specs]
-    rb = ReplayBuffer(store, "train", max_off_policy_threshold=threshold, failure_policy=failure, **FAST)
+    rb = ReplayBuffer(store, "train", max_off_policy_threshold=threshold, failure_policy=failure,
+                      refill=refills.append, **FAST)
     usable = [(born, i) for i, (st_, born, n) in enumerate(specs)
               if (st_ == "finished" or (st_ == "failure" and failure == "keep_successful"))
-              and staleness(step, born) <= threshold]
+              and step - born + 1 <= threshold]
+    stale = [i for i, (st_, born, n) in enumerate(specs) if st_ in ("finished", "failure")
+             and step - born + 1 > threshold and not (st_ == "failure" and failure == "drop")]
+    failed = [i for i, (st_, _, _) in enumerate(specs) if st_ == "failure" and failure == "drop"]
     expected = [uids[i] for _, i in sorted(usable)[:bs]]
     if len(usable) < bs:
         with pytest.raises(SampleTimeoutError):
             rb.sample(bs, step, timeout=0)
-        return
-    meta = rb.sample(bs, step, timeout=0)
-    assert meta.extra_info["uids"] == expected
-    stale = [i for i, (st_, born, n) in enumerate(specs) if st_ in ("finished", "failure")
-             and staleness(step, born) > threshold and not (st_ == "failure" and failure == "drop")]
-    assert meta.extra_info["metrics"]["off_policy/dropped_groups"] == len(stale)
+    else:
+        meta = rb.sample(bs, step, timeout=0)
+        assert meta.extra_info["uids"] == expected
+        assert meta.extra_info["metrics"]["off_policy/evicted_groups"] == len(stale)
+    assert sum(refills) == len(stale) + len(failed) and len(refills) <= 1
     left = store.kv_list("train")["train"]
-    for i in stale:
+    for i in stale + failed:
         assert uids[i] not in left
 
 
-_BORN = st.one_of(st.none(), st.integers(0, 12), st.booleans())
-
-
-@settings(max_examples=150, deadline=None)
-@given(prompt_step=st.integers(0, 12), born=st.lists(st.tuples(_BORN, _BORN), max_size=6),
-       step=st.integers(0, 20), sync=st.integers(1, 4))
-def test_group_staleness_is_its_oldest_trajectorys(prompt_step, born, step, sync):
-    """Born steps follow the per-tag rule (min_global_steps, else global_steps, else the prompt's step; bools as
-    ints), and a group's staleness is the largest of its trajectories' (the oldest one's)."""
-    from protocol.store.replay_buffer import GroupView, ReplayBuffer, staleness
-
-    tags = [{k: v for k, v in (("min_global_steps", lo), ("global_steps", g)) if v is not None} for lo, g in born]
-    g = GroupView("u", 0, prompt_tag(prompt_step, "finished"), [f"u_{i}_0" for i in range(len(tags))], tags)
-    rule = [int(t.get("min_global_steps", t.get("global_steps", prompt_step))) for t in tags]
-    assert g.trajectory_born_steps() == rule
-    buffer = ReplayBuffer(LocalStore(), parameter_sync_step=sync)
-    want = max(staleness(step, b, sync) for b in (rule or [prompt_step]))
-    assert buffer._group_staleness(g, step) == want
+@settings(max_examples=100, deadline=None)
+@given(versions=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 5)), min_size=1, max_size=8),
+       step=st.integers(12, 30))
+def test_version_metrics_formulas(versions, step):
+    """spans = max - min + 1, staleness = step - max, worst = step - min (verl's trajectory_* metrics)."""
+    tags = [trajectory_tag(1, 1, lo, lo, lo + d) for lo, d in versions]
+    m = version_metrics(tags, step)
+    spans = [d + 1 for _, d in versions]
+    assert m["off_policy/trajectory_spans/max"] == max(spans)
+    assert m["off_policy/trajectory_spans/mean"] == pytest.approx(sum(spans) / len(spans))
+    assert m["off_policy/trajectory_staleness/min"] == min(step - lo - d for lo, d in versions)
+    assert m["off_policy/trajectory_staleness_worst/max"] == max(step - lo for lo, _ in versions)
+    assert version_metrics([{}], step) == {}

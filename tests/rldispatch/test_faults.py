@@ -111,11 +111,13 @@ def _run(args: list[str], timeout: float = 120) -> tuple[int, str]:
         assert launch.close() == [], "a worker outlived the launch"
 
 
-def test_stuck_peer_ends_the_job_within_the_timeout(data_args, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_stuck_peer_ends_the_job_within_the_timeout(data_args, tmp_path, mode):
     """SIGSTOP rank 1 mid-run: rank 0's next collective times out after trainer.dist_timeout_s and the error names
-    its rank, step and stage (the launch would otherwise wait 30 minutes)."""
+    its rank, step and stage (the launch would otherwise wait 30 minutes). In colocate_async rank 0 may be waiting
+    in the sample stage's look at the buffer: that is a collective too."""
     run_dir = tmp_path / "run"
-    launch = Launch(_args(data_args, run_dir, "trainer.total_steps=200"))
+    launch = Launch(_args(data_args, run_dir, "trainer.total_steps=200", f"trainer.mode={mode}"))
     try:
         launch.wait_for("the first step", lambda: len(_records(run_dir)) >= 1, 120)
         stuck = launch.workers()[1]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import contextvars
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Awaitable, Callable, Union
@@ -22,11 +23,28 @@ __all__ = [
     "get_agent_loop_class",
     "known_agent_loops",
     "build_agent_loop",
+    "Generated",
+    "session_versions",
 ]
 
 #: ``generate(prompt_ids, sampling_params) -> (token_ids, logprobs | None)``, a plain or an ``async`` function.
 GenerateFn = Callable[[list, dict], Union[tuple, Awaitable[tuple]]]
 
+
+#: The weight versions of every chunk generated in the current session (set per session by the group runner; a
+#: ``generate`` that returns a :class:`Generated` with ``versions`` adds to it).
+session_versions: contextvars.ContextVar[list | None] = contextvars.ContextVar("session_versions", default=None)
+
+
+class Generated(tuple):
+    """``(token_ids, logprobs)`` plus the weight ``versions`` of the chunks that produced them (partial rollout)."""
+
+    versions: tuple[int, ...] = ()
+
+    def __new__(cls, token_ids: Any, logprobs: Any, versions: Sequence[int] = ()) -> "Generated":
+        out = super().__new__(cls, (token_ids, logprobs))
+        out.versions = tuple(int(v) for v in versions)
+        return out
 
 
 class GenerateError(ValueError):
@@ -57,6 +75,9 @@ async def call_generate(generate: GenerateFn, prompt_ids: Sequence[int], samplin
         result = await result
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise GenerateError(f"generate must return (token_ids, logprobs), got {type(result).__name__}")
+    versions, seen = getattr(result, "versions", ()), session_versions.get()
+    if versions and seen is not None:
+        seen.extend(versions)
     token_ids = _ids_list(result[0], "generate's token_ids")
     logprobs = result[1]
     if logprobs is not None:

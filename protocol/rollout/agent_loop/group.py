@@ -20,7 +20,7 @@ import asyncio
 import logging
 from typing import Any, Mapping, Sequence
 
-from protocol.rollout.agent_loop.base import AgentLoop
+from protocol.rollout.agent_loop.base import AgentLoop, session_versions
 from protocol.rollout.agent_loop.output import AgentLoopOutput, AgentLoopOutputError
 from protocol.store.keys import PromptStatus, check_uid, prompt_tag, transition
 from protocol.store.meta import KVBatchMeta
@@ -61,6 +61,8 @@ def register_prompts(store: Any, uids: Sequence[str], global_steps: int, partiti
 
 async def _session(agent_loop: AgentLoop, prompt: Any, sampling_params: Mapping[str, Any] | None,
                    session_id: int, kwargs: Mapping[str, Any]) -> list[AgentLoopOutput]:
+    versions: list[int] = []
+    session_versions.set(versions)  # this session's task has its own context
     outputs = await agent_loop.run(prompt, sampling_params, session_id=session_id, **kwargs)
     if not isinstance(outputs, (list, tuple)) or not outputs:
         raise AgentLoopOutputError(f"{type(agent_loop).__name__}.run must return a non-empty list of "
@@ -68,6 +70,10 @@ async def _session(agent_loop: AgentLoop, prompt: Any, sampling_params: Mapping[
     bad = [type(o).__name__ for o in outputs if not isinstance(o, AgentLoopOutput)]
     if bad:
         raise AgentLoopOutputError(f"{type(agent_loop).__name__}.run returned non-AgentLoopOutput items {bad[:3]}")
+    if versions:  # the weight versions of its first and last generated chunk (a loop's own tags win)
+        for o in outputs:
+            o.extra_fields.setdefault("min_global_steps", min(versions))
+            o.extra_fields.setdefault("max_global_steps", max(versions))
     return list(outputs)
 
 
