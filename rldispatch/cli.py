@@ -1,4 +1,4 @@
-"""The ``rldispatch`` console entry point: ``rldispatch train|plan|export|plot|trace|data [args]``.
+"""The ``rldispatch`` console entry point: ``rldispatch train|plan|export|plot|trace|data|models [args]``.
 
     rldispatch train --config grpo_tiny actor.backend=megatron     # under torchrun: python -m rldispatch train ...
     rldispatch plan --config grpo_tiny --world 64
@@ -18,6 +18,7 @@ COMMANDS = {
     "plot": ("plot", "draw a run's metrics to a PNG"),
     "trace": ("trace", "print the field-lineage table of a traced run"),
     "data": ("data", "write a built-in task's train/val parquet files"),
+    "models": ("models", "prepare a known pretrained model as a local Hugging Face folder"),
 }
 
 
