@@ -59,7 +59,7 @@ from rldispatch.faults import FaultInjectingLoop, fails
 from rldispatch.gc_policy import StepGC
 from rldispatch.host_channel import set_host_channels
 from rldispatch.metrics import (
-    MetricsLogger, StepStats, Timer, distributed_masked_stats, sample_lengths,
+    ComputeClock, MetricsLogger, StepStats, Timer, distributed_masked_stats, sample_lengths,
 )
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, prepare_step_plan
@@ -192,6 +192,7 @@ class StepState:
     metrics: dict[str, float] = field(default_factory=dict)
     stats: StepStats = field(default_factory=StepStats)  # cross-rank metrics, reduced once in _finish
     times: dict[str, float] = field(default_factory=dict)
+    compute: ComputeClock = field(default_factory=ComputeClock)  # this rank's inference / update compute
     sampled: KVBatchMeta | None = None  # the replay buffer's batch (real trajectories)
     plan: StepPlan | None = None
     own: list[str] = field(default_factory=list)  # trajectories generated on this rank (and padding on rank 0)
@@ -417,7 +418,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
         """One synchronous GRPO step: each stage takes the step's :class:`KVBatchMeta` and returns it."""
-        st = StepState(self.step, self._sample_prompts())
+        st = StepState(self.step, self._sample_prompts(), compute=ComputeClock(self.ctx.device))
         t_step = time.perf_counter()
         batch = self._stage("rollout", st, self._generate, None)             # 1. sessions -> local stores
         batch = self._stage("sample", st, self._sample, batch)               # 2. terminal groups, oldest first
@@ -516,9 +517,10 @@ class GRPOTrainer:
         st.infer_inputs = self.bridge.fetch_infer_inputs(st.mine, self._infer_wants(st)) \
             if recompute or self.ref_bridge is not None else None
         if recompute:
-            self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
-                              outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
-                              temperature=cfg.rollout.temperature, with_entropy=True, data=st.infer_inputs)
+            with st.compute.region("infer"):
+                self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
+                                  outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
+                                  temperature=cfg.rollout.temperature, with_entropy=True, data=st.infer_inputs)
         else:
             self._bypass_old_log_probs(st.own, st.own_pad)
         self.store.sync()
@@ -527,9 +529,10 @@ class GRPOTrainer:
 
     def _compute_ref_log_prob(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         """Reference log-probs, and the KL metrics on the rank that produced them (no values travel for them)."""
-        self.ref_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
-                              outputs={"log_probs": "ref_log_prob"}, temperature=self.cfg.rollout.temperature,
-                              data=st.infer_inputs)
+        with st.compute.region("infer"):
+            self.ref_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
+                                  outputs={"log_probs": "ref_log_prob"}, temperature=self.cfg.rollout.temperature,
+                                  data=st.infer_inputs)
         self.store.sync()
         self._kl_metrics(st, st.infer_inputs)
         self._trace("ref", st.sampled, ["ref_log_prob"], "ref.infer_batch", "kl")
@@ -565,9 +568,11 @@ class GRPOTrainer:
 
     def _update_actor(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
-        updates = [self.bridge.train(mb.meta(full), mb.micro_batches, use_kl_loss=self.cfg.actor.loss.use_kl_loss,
-                                     wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
-                   for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
+        with st.compute.region("update"):
+            updates = [self.bridge.train(mb.meta(full), mb.micro_batches,
+                                         use_kl_loss=self.cfg.actor.loss.use_kl_loss,
+                                         wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
+                       for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
         st.metrics.update(combine_update_metrics(updates))
         self._sample_metrics(st.own, st.own_pad, st.stats)
         return full
@@ -587,6 +592,7 @@ class GRPOTrainer:
         m = st.metrics
         st.stats.per_rank("dataplane/bytes_received", self.store.bytes_received)
         self.store.bytes_received = 0
+        self._rank_time_stats(st)
         m.update(st.stats.reduce(device=self.ctx.device))  # the step's one metrics collective
         if isinstance(self.kl_ctrl, AdaptiveKLController) and "kl/mean" in m:
             self.kl_ctrl.update(m["kl/mean"], n_steps=self.cfg.data.train_batch_size)
@@ -597,6 +603,16 @@ class GRPOTrainer:
         tokens = float(sum(t["seq_len"] for t in st.sampled.tags))
         m["perf/tokens_per_s"] = tokens / max(seconds, 1e-9)
         return m
+
+    def _rank_time_stats(self, st: "StepState") -> None:
+        """``perf/rank_time/{infer,update}`` and their total: each rank's compute, max / mean / straggler ratio.
+
+        Every rank records the same names (the stages run on every rank; a stage switched off records nothing)."""
+        secs = st.compute.seconds
+        for name in ("infer", "update"):
+            if name in secs:
+                st.stats.spread(f"perf/rank_time/{name}", secs[name])
+        st.stats.spread("perf/rank_time", sum(secs.values()))
 
     def _check_invariants(self, own: list[str]) -> None:
         """debug.check_invariants: the field invariants of this rank's trajectories once every field is written."""
