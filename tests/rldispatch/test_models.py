@@ -40,7 +40,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool =
     vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
-    w.add_context_length(256)
+    w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
@@ -174,3 +174,28 @@ def test_refusals_name_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(ModelsError, match=r"packages \['gguf'\], not installed: pip install 'rldispatch\[models\]'"):
         prepare_model("smollm2", str(tmp_path / "d"), wheel=str(tmp_path / "wheels" / "none.whl"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_shipped_smollm2_config_trains_a_converted_folder_on_two_ranks(torchrun, tmp_path):
+    """``grpo_smollm2`` as shipped (only the folder, the run's length and its output places changed) runs a step
+    on 2 ranks from a converted GGUF folder, validates greedily with the strict gsm8k scorer, and reports each
+    rank's compute time."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", seed=2)
+    out = tmp_path / "model"
+    convert_gguf(str(tmp_path / "tiny.gguf"), str(out))
+    run = tmp_path / "run"
+    train = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+    torchrun(train, 2, "--config", "grpo_smollm2", f"model.hf_path={out}", f"trainer.run_dir={run}",
+             "trainer.total_steps=1", "trainer.progress_bar=false", "trainer.tensorboard=false",
+             "data.train_size=16", "data.val_size=4", "data.val_batch_size=4", "data.max_response_length=24",
+             "data.max_prompt_length=320",  # the test tokenizer spends a token per character
+             f"data.train_files=[{tmp_path}/data/train.parquet]", f"data.val_files=[{tmp_path}/data/val.parquet]",
+             timeout=400)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert last["step"] == 1 and last["samples/real"] == 64 and last["actor/optimizer_steps"] == 1
+    assert "ref" not in {k.split("/")[1] for k in last if k.startswith("timing_s/")}
+    assert 0 <= last["reward/score/mean"] <= 1 and "val/score/mean" in records[0]
+    assert last["perf/rank_time/update/straggler_ratio"] >= 1.0
