@@ -12,6 +12,17 @@ from backends.model.llama import LlamaModel
 __all__ = ["generate", "sample_next", "KVCache"]
 
 
+def _categorical(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of non-negative ``weights`` [B, V] (any scale), drawn with probability weight / row sum.
+
+    Inverts each row's CDF (float64) at one uniform draw: ``torch.multinomial`` draws an exponential variate for
+    every vocabulary entry, which at a 49k vocabulary is a sizeable share of a CPU decode step."""
+    cdf = weights.double().cumsum(-1)
+    u = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64, device=weights.device)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry whose CDF exceeds the draw
+    return picked.clamp_(max=weights.shape[-1] - 1).squeeze(-1)
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
     """Sample one token per row of logits [B, V]; return (tokens [B], log-probs [B]) at ``temperature``.
 
@@ -30,10 +41,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
         keep = (sp.cumsum(-1) - sp) < top_p  # keep the smallest prefix whose mass reaches top_p
         keep[:, 0] = True
         sp = sp * keep
-        choice = torch.multinomial(sp / sp.sum(-1, keepdim=True), 1, generator=generator)
-        tokens = si.gather(-1, choice).squeeze(-1)
+        tokens = si.gather(-1, _categorical(sp, generator)[:, None]).squeeze(-1)
     else:
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = _categorical(probs, generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
