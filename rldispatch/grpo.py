@@ -255,10 +255,13 @@ class GRPOTrainer:
                                            max_response_length=cfg.data.max_response_length, **loop_kwargs)
         # only the stop token that ended the response is dropped; other special tokens stay in the decoded text:
         # a scorer that never saw them would let the policy pad its answer with <|pad|> and still score full marks
-        self.reward_manager = build_reward_manager(
-            cfg.reward, cfg.custom_reward_function,
+        build = functools.partial(
+            build_reward_manager, cfg.reward, cfg.custom_reward_function,
             decode=functools.partial(decode_response, self.tokenizer, stop_ids=self.rollout.stop_token_ids),
             max_response_len=cfg.data.max_response_length)
+        self.reward_manager = build()
+        # validation scores gsm8k strictly whatever the training reward's shaping
+        self.val_reward_manager = build(train=False) if cfg.reward.gsm8k_train.shaped else self.reward_manager
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = FixedKLController(kc.kl_coef) if kc.type == "fixed" else \
             AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon)
@@ -403,7 +406,7 @@ class GRPOTrainer:
             items.append(RewardInput(response_ids=response, data_source=row.get("data_source", ""),
                                      ground_truth=ground_truth_of(row), extra_info=row.get("extra_info"),
                                      response_mask=mask, is_padding=is_pad, key=key))
-        result = self.reward_manager(items)
+        result = (self.val_reward_manager if partition == VAL else self.reward_manager)(items)
         rm = compute_rm_scores(result.scores, td["response_mask"])
         self.store.kv_batch_put(keys, partition, batch_of({"rm_scores": rm}, len(keys)))
         return result
