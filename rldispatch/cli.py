@@ -1,4 +1,4 @@
-"""The ``rldispatch`` console entry point: ``rldispatch train|plan|export|plot|trace|data|config [args]``.
+"""The ``rldispatch`` console entry point: ``rldispatch train|plan|export|plot|trace|data|config|models [args]``.
 
     rldispatch train --config grpo_tiny actor.backend=megatron     # under torchrun: python -m rldispatch train ...
     rldispatch plan --config grpo_tiny --world 64
@@ -19,6 +19,7 @@ COMMANDS = {
     "trace": ("trace", "print the field-lineage table of a traced run"),
     "data": ("data", "write a built-in task's train/val parquet files"),
     "config": ("config", "print the resolved config, or every key's type, default and meaning (--table)"),
+    "models": ("models", "prepare a known pretrained model as a local Hugging Face folder"),
 }
 
 

@@ -62,7 +62,7 @@ from rldispatch.dataplane import ShardedStore
 from rldispatch.faults import FaultInjectingLoop, fails
 from rldispatch.gc_policy import StepGC
 from rldispatch.metrics import (
-    MetricsLogger, StepStats, Timer, distributed_masked_stats, explained_variance, sample_lengths,
+    ComputeClock, MetricsLogger, StepStats, Timer, distributed_masked_stats, explained_variance, sample_lengths,
 )
 from rldispatch.ref import build_reference
 from rldispatch.plan import StepPlan, batch_settings, prepare_step_plan
@@ -202,6 +202,7 @@ class StepState:
     metrics: dict[str, float] = field(default_factory=dict)
     stats: StepStats = field(default_factory=StepStats)  # cross-rank metrics, reduced once in _finish
     times: dict[str, float] = field(default_factory=dict)
+    compute: ComputeClock = field(default_factory=ComputeClock)  # this rank's inference / update compute
     sampled: KVBatchMeta | None = None  # the replay buffer's batch (real trajectories)
     plan: StepPlan | None = None
     own: list[str] = field(default_factory=list)  # trajectories generated on this rank (and padding on rank 0)
@@ -269,10 +270,13 @@ class GRPOTrainer:
                                            max_response_length=cfg.data.max_response_length, **loop_kwargs)
         # only the stop token that ended the response is dropped; other special tokens stay in the decoded text:
         # a scorer that never saw them would let the policy pad its answer with <|pad|> and still score full marks
-        self.reward_manager = build_reward_manager(
-            cfg.reward, cfg.custom_reward_function,
+        build = functools.partial(
+            build_reward_manager, cfg.reward, cfg.custom_reward_function,
             decode=functools.partial(decode_response, self.tokenizer, stop_ids=self.rollout.stop_token_ids),
             max_response_len=cfg.data.max_response_length)
+        self.reward_manager = build()
+        # validation scores gsm8k strictly whatever the training reward's shaping
+        self.val_reward_manager = build(train=False) if cfg.reward.gsm8k_train.shaped else self.reward_manager
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = FixedKLController(kc.kl_coef) if kc.type == "fixed" else \
             AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon)
@@ -481,7 +485,7 @@ class GRPOTrainer:
             items.append(RewardInput(response_ids=response, data_source=row.get("data_source", ""),
                                      ground_truth=ground_truth_of(row), extra_info=row.get("extra_info"),
                                      response_mask=mask, is_padding=is_pad, key=key))
-        result = self.reward_manager(items)
+        result = (self.val_reward_manager if partition == VAL else self.reward_manager)(items)
         rm = compute_rm_scores(result.scores, td["response_mask"])
         self.store.kv_batch_put(keys, partition, batch_of({"rm_scores": rm}, len(keys)))
         return result
@@ -497,7 +501,7 @@ class GRPOTrainer:
     def train_step(self) -> dict[str, float]:
         """One GRPO step: each stage takes the step's :class:`KVBatchMeta` and returns it; the schedule fills the
         rollout and sample stages."""
-        st = StepState(self.step, self._sample_prompts())
+        st = StepState(self.step, self._sample_prompts(), compute=ComputeClock(self.ctx.device))
         t_step = time.perf_counter()
         batch = self._stage("rollout", st, self._generate, None)             # 1. sessions -> local stores
         batch = self._stage("sample", st, self._sample, batch)               # 2. terminal groups, oldest first
@@ -609,9 +613,10 @@ class GRPOTrainer:
         st.infer_inputs = self.bridge.fetch_infer_inputs(st.mine, self._infer_wants(st)) \
             if recompute or self.ref_bridge is not None or self.critic_bridge is not None else None
         if recompute:
-            self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
-                              outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
-                              temperature=cfg.rollout.temperature, with_entropy=True, data=st.infer_inputs)
+            with st.compute.region("infer"):
+                self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
+                                  outputs={"log_probs": "old_log_probs", "entropy": "entropy"},
+                                  temperature=cfg.rollout.temperature, with_entropy=True, data=st.infer_inputs)
         else:
             self._bypass_old_log_probs(st.own, st.own_pad)
         self.store.sync()
@@ -620,9 +625,10 @@ class GRPOTrainer:
 
     def _compute_ref_log_prob(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         """Reference log-probs, and the KL metrics on the rank that produced them (no values travel for them)."""
-        self.ref_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
-                              outputs={"log_probs": "ref_log_prob"}, temperature=self.cfg.rollout.temperature,
-                              data=st.infer_inputs)
+        with st.compute.region("infer"):
+            self.ref_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
+                                  outputs={"log_probs": "ref_log_prob"}, temperature=self.cfg.rollout.temperature,
+                                  data=st.infer_inputs)
         self.store.sync()
         self._kl_metrics(st, st.infer_inputs)
         self._trace("ref", st.sampled, ["ref_log_prob"], "ref.infer_batch", "kl")
@@ -630,8 +636,9 @@ class GRPOTrainer:
 
     def _compute_values(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
         """The critic's value of every response token, on the inference share the log-probs used (no new fetch)."""
-        self.critic_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank), outputs={"values": "values"},
-                                 data=st.infer_inputs)
+        with st.compute.region("infer"):
+            self.critic_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
+                                     outputs={"values": "values"}, data=st.infer_inputs)
         self.store.sync()
         self._trace("values", st.sampled, ["values"], "critic.infer_batch", "advantage")
         return full
@@ -670,11 +677,12 @@ class GRPOTrainer:
         if self.critic is None or st.step >= self.cfg.critic.warmup_steps:  # the critic's warm-up: no update
             shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
             use_is = self.cfg.algorithm.rollout_correction.rollout_is is not None
-            updates = [self.bridge.train(mb.meta(full), mb.micro_batches,
-                                         use_kl_loss=self.cfg.actor.loss.use_kl_loss,
-                                         wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares],
-                                         use_is_weights=use_is)
-                       for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
+            with st.compute.region("update"):
+                updates = [self.bridge.train(mb.meta(full), mb.micro_batches,
+                                             use_kl_loss=self.cfg.actor.loss.use_kl_loss,
+                                             wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares],
+                                             use_is_weights=use_is)
+                           for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
             st.metrics.update(combine_update_metrics(updates))
         self._sample_metrics(st.own, st.own_pad, st.stats)
         return full
@@ -683,9 +691,10 @@ class GRPOTrainer:
         """The value loss over the actor's mini- and micro-batches (ppo_epochs x mini-batches, one optimizer step
         each)."""
         shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
-        updates = [self.critic_bridge.train(mb.meta(full), mb.micro_batches, fields=CRITIC_FIELDS,
-                                            wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
-                   for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
+        with st.compute.region("update"):
+            updates = [self.critic_bridge.train(mb.meta(full), mb.micro_batches, fields=CRITIC_FIELDS,
+                                                wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
+                       for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
         st.metrics.update(combine_update_metrics(updates, prefix="critic/"))
         return full
 
@@ -704,6 +713,7 @@ class GRPOTrainer:
         m = st.metrics
         st.stats.per_rank("dataplane/bytes_received", self.store.bytes_received)
         self.store.bytes_received = 0
+        self._rank_time_stats(st)
         m.update(st.stats.reduce(device=self.ctx.device))  # the step's one metrics collective
         if _EV_SUMS[0] in m:
             m["critic/vf_explained_var"] = explained_variance(*(m.pop(k) for k in _EV_SUMS))
@@ -719,6 +729,16 @@ class GRPOTrainer:
         tokens = float(sum(t["seq_len"] for t in st.sampled.tags))
         m["perf/tokens_per_s"] = tokens / max(seconds, 1e-9)
         return m
+
+    def _rank_time_stats(self, st: "StepState") -> None:
+        """``perf/rank_time/{infer,update}`` and their total: each rank's compute, max / mean / straggler ratio.
+
+        Every rank records the same names (the stages run on every rank; a stage switched off records nothing)."""
+        secs = st.compute.seconds
+        for name in ("infer", "update"):
+            if name in secs:
+                st.stats.spread(f"perf/rank_time/{name}", secs[name])
+        st.stats.spread("perf/rank_time", sum(secs.values()))
 
     def _check_invariants(self, own: list[str]) -> None:
         """debug.check_invariants: the field invariants of this rank's trajectories once every field is written."""

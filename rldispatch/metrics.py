@@ -18,6 +18,7 @@ from rldispatch.collectives import gather_objects
 __all__ = [
     "MetricsError", "MetricsLogger", "Timer", "masked_stats", "length_stats", "sample_lengths",
     "distributed_masked_stats", "StepStats", "to_float_dict", "read_metrics", "explained_variance",
+    "ComputeClock",
 ]
 
 
@@ -129,6 +130,7 @@ class StepStats:
         self._moments: dict[str, tuple[tuple[float, ...], tuple[str, ...]]] = {}
         self._sums: dict[str, float] = {}
         self._per_rank: dict[str, float] = {}
+        self._spread: dict[str, float] = {}
 
     def masked(self, name: str, values: Any, is_padding: Any = None,
                keep: Sequence[str] = ("mean", "std", "min", "max")) -> None:
@@ -146,15 +148,21 @@ class StepStats:
         self._record(name)
         self._per_rank[name] = float(value)
 
+    def spread(self, name: str, value: float) -> None:
+        """``{name}/max``, ``/mean`` and ``/straggler_ratio`` (max over mean, 1 when balanced) of one value per
+        rank; every rank must record it. Shows a slow rank that a sum over the ranks hides."""
+        self._record(name)
+        self._spread[name] = float(value)
+
     def _record(self, name: str) -> None:
-        if name in self._moments or name in self._sums or name in self._per_rank:
+        if name in self._moments or name in self._sums or name in self._per_rank or name in self._spread:
             raise MetricsError(f"{name}: recorded twice in one step")
 
     def reduce(self, group: Any = None, device: Any = None) -> dict[str, float]:
         """Every recorded metric over the ranks of ``group`` (a collective, when a process group is up)."""
         import torch.distributed as dist
 
-        mine = (self._moments, self._sums, self._per_rank)
+        mine = (self._moments, self._sums, self._per_rank, self._spread)
         grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         gathered = gather_objects(mine, group=group, device=device) if grouped else [mine]
         out: dict[str, float] = {}
@@ -173,6 +181,14 @@ class StepStats:
             values = [g[2][name] for g in gathered]
             out.update({f"{name}/rank{r}": v for r, v in enumerate(values)})
             out[f"{name}/max"] = max(values)
+        for name in sorted(set().union(*(g[3] for g in gathered))):
+            missing = [r for r, g in enumerate(gathered) if name not in g[3]]
+            if missing:
+                raise MetricsError(f"{name}: a per-rank value that ranks {missing} did not record")
+            values = [g[3][name] for g in gathered]
+            hi, mean = max(values), sum(values) / len(values)
+            out.update({f"{name}/max": hi, f"{name}/mean": mean,
+                        f"{name}/straggler_ratio": hi / mean if mean > 0 else 1.0})
         return out
 
 
@@ -261,6 +277,40 @@ class Timer:
         self.elapsed = time.perf_counter() - self._start
         if self.sink is not None:
             self.sink[self.key] = self.sink.get(self.key, 0.0) + self.elapsed
+
+
+class ComputeClock:
+    """Seconds a rank computes inside timed regions, summed per name, without the time it waits for its peers.
+
+    On a CPU device it reads the process's CPU time: a rank blocked in a gloo collective (waiting for a slower
+    peer) uses none, so the figure is its own compute (CPU-seconds: with several intra-op threads it exceeds the
+    wall time). On a GPU it reads the wall clock around a device synchronisation, waits included.
+    """
+
+    def __init__(self, device: Any = "cpu"):
+        self.cuda = torch.device(device).type == "cuda"
+        self.seconds: dict[str, float] = {}
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    def region(self, name: str) -> "_Region":
+        return _Region(self, name)
+
+
+class _Region:
+    def __init__(self, clock: ComputeClock, name: str):
+        self.clock, self.name, self.start = clock, name, 0.0
+
+    def __enter__(self) -> None:
+        self.start = self.clock._now()
+
+    def __exit__(self, *exc: Any) -> None:
+        took = self.clock._now() - self.start
+        self.clock.seconds[self.name] = self.clock.seconds.get(self.name, 0.0) + took
 
 
 class MetricsLogger:

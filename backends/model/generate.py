@@ -12,6 +12,17 @@ from backends.model.llama import LlamaModel
 __all__ = ["generate", "sample_next", "KVCache"]
 
 
+def _categorical(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of non-negative ``weights`` [B, V] (any scale), drawn with probability weight / row sum.
+
+    Inverts each row's CDF (float64) at one uniform draw: ``torch.multinomial`` draws an exponential variate for
+    every vocabulary entry, which at a 49k vocabulary is a sizeable share of a CPU decode step."""
+    cdf = weights.double().cumsum(-1)
+    u = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64, device=weights.device)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry whose CDF exceeds the draw
+    return picked.clamp_(max=weights.shape[-1] - 1).squeeze(-1)
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
     """Sample one token per row of logits [B, V]; return (tokens [B], log-probs [B]) at ``temperature``.
 
@@ -30,19 +41,21 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
         keep = (sp.cumsum(-1) - sp) < top_p  # keep the smallest prefix whose mass reaches top_p
         keep[:, 0] = True
         sp = sp * keep
-        choice = torch.multinomial(sp / sp.sum(-1, keepdim=True), 1, generator=generator)
-        tokens = si.gather(-1, choice).squeeze(-1)
+        tokens = si.gather(-1, _categorical(sp, generator)[:, None]).squeeze(-1)
     else:
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = _categorical(probs, generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 class KVCache:
-    """Per-layer keys/values [B, capacity, kv_heads, head_dim] (after rotary) and each row's filled length."""
+    """Per-layer keys/values [B, kv_heads, capacity, head_dim] (after rotary) and each row's filled length.
+
+    Heads before positions: a decode step attends over the filled prefix ``[:, :, :longest]`` as a strided view,
+    with no copy of the cache."""
 
     def __init__(self, model: LlamaModel, batch: int, capacity: int, device, dtype) -> None:
         cfg = model.cfg
-        shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
@@ -60,8 +73,8 @@ def _prefill(model: LlamaModel, prompts: list[list[int]], cache: KVCache, device
     for li, layer in enumerate(model.layers):
         att = layer.self_attn
         q, k, v = att.project(layer.input_layernorm(x), cos, sin)
-        cache.k[li][rows, pos] = k
-        cache.v[li][rows, pos] = v
+        cache.k[li][rows, :, pos] = k
+        cache.v[li][rows, :, pos] = v
         x = x + att.o_proj(packed_attention(q, k, v, cu, max(lens)).reshape(len(ids), -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.lengths = torch.tensor(lens, dtype=torch.long, device=device)
@@ -77,16 +90,17 @@ def _decode(model: LlamaModel, tokens: torch.Tensor, cache: KVCache) -> torch.Te
     rows = torch.arange(B, device=tokens.device)
     x = model.embed_tokens(tokens)
     cos, sin = model.rotary(pos, x.dtype)
-    cap = cache.k[0].shape[1]
-    visible = (torch.arange(cap, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,C]
-    g = cfg.num_heads // cfg.num_kv_heads
+    # only the filled prefix: the positions past the longest row are masked for every row anyway
+    width = int(pos.max()) + 1
+    visible = (torch.arange(width, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,W]
+    gqa = cfg.num_heads != cfg.num_kv_heads
     for li, layer in enumerate(model.layers):
         att = layer.self_attn
         q, k, v = att.project(layer.input_layernorm(x), cos, sin)
-        cache.k[li][rows, pos], cache.v[li][rows, pos] = k, v
-        keys = cache.k[li].transpose(1, 2).repeat_interleave(g, dim=1)  # [B, H, C, D]
-        vals = cache.v[li].transpose(1, 2).repeat_interleave(g, dim=1)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=visible)  # [B, H, 1, D]
+        cache.k[li][rows, :, pos], cache.v[li][rows, :, pos] = k, v
+        keys, vals = cache.k[li][:, :, :width], cache.v[li][:, :, :width]  # [B, Hkv, W, D], views
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=visible,
+                                             enable_gqa=gqa)  # [B, H, 1, D]
         x = x + att.o_proj(out.reshape(B, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.lengths = pos + 1

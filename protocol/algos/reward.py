@@ -43,12 +43,13 @@ from protocol.algos.scorers import (
     needs_ground_truth,
     register_scorer,
 )
-from protocol.algos.scorers.gsm8k import gsm8k_score
+from protocol.algos.scorers.gsm8k import compute_score as gsm8k_compute_score, gsm8k_score
 from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged
 from protocol.registry import Registry
 import protocol.rollout.tasks  # noqa: F401  (the learnable tasks register their scorers by data_source)
 
 __all__ = [
+    "GSM8KTrainConfig",
     "RewardError",
     "UnknownDataSourceError",
     "Scorer",
@@ -348,6 +349,28 @@ class OverlongBufferConfig:
 
 
 RewardManagerName = Literal["naive", "dapo", "batch"]
+GSM8K_SOURCE = "openai/gsm8k"
+
+
+@dataclass
+class GSM8KTrainConfig:
+    """``reward.gsm8k_train``: the *training* reward of ``openai/gsm8k`` rows, with the reference system's gsm8k
+    scorer parameters (``method``: strict needs ``#### <n>``, flexible takes the last number; ``format_score``: the
+    reward of a wrong answer in that form). Validation always scores strictly (strict, format_score 0)."""
+
+    method: Literal["strict", "flexible"] = "strict"
+    format_score: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("strict", "flexible"):
+            raise RewardError(f"reward.gsm8k_train.method must be 'strict' or 'flexible', got {self.method!r}")
+        if not 0.0 <= float(self.format_score) < 1.0:
+            raise RewardError(f"reward.gsm8k_train.format_score must be in [0, 1) (a right answer scores 1), got "
+                              f"{self.format_score!r}")
+
+    @property
+    def shaped(self) -> bool:
+        return self.method != "strict" or float(self.format_score) != 0.0
 
 
 @dataclass
@@ -357,6 +380,7 @@ class RewardConfig:
     manager: RewardManagerName = "naive"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     math_verify: bool = False  # MATH data sources by math-verify's equivalence instead of string normalisation
+    gsm8k_train: GSM8KTrainConfig = field(default_factory=GSM8KTrainConfig)
 
     def __post_init__(self) -> None:
         if self.manager not in known_reward_managers():
@@ -397,12 +421,22 @@ class CustomRewardFunctionConfig:
 
 
 def build_reward_manager(reward: RewardConfig, custom: CustomRewardFunctionConfig,
-                         decode: Callable[[list[int]], str], max_response_len: int) -> RewardManager:
-    """The run's reward manager from its config: the user's function when given, else the built-in scorers."""
+                         decode: Callable[[list[int]], str], max_response_len: int,
+                         train: bool = True) -> RewardManager:
+    """The run's reward manager from its config: the user's function when given, else the built-in scorers
+    (``openai/gsm8k`` rows with ``reward.gsm8k_train``'s parameters when ``train``)."""
     fn = custom.load(batch=reward.manager == "batch")
-    if fn is None and reward.math_verify:
+    shaping = reward.gsm8k_train if train and reward.gsm8k_train.shaped else None
+    if fn is not None and reward.gsm8k_train.shaped:
+        raise RewardError("reward.gsm8k_train shapes the built-in gsm8k scorer; with custom_reward_function.path "
+                          "set, shape the reward in that function instead")
+    if fn is None and (reward.math_verify or shaping is not None):
         def fn(data_source, solution_str, ground_truth, extra_info=None):
-            return default_compute_score(data_source, solution_str, ground_truth, extra_info, use_math_verify=True)
+            if shaping is not None and data_source == GSM8K_SOURCE:
+                return gsm8k_compute_score(solution_str, ground_truth, method=shaping.method,
+                                           format_score=float(shaping.format_score))
+            return default_compute_score(data_source, solution_str, ground_truth, extra_info,
+                                         use_math_verify=reward.math_verify)
     if reward.manager == "dapo":
         buffer = reward.overlong_buffer
         return DAPORewardManager(decode, compute_score=fn, max_response_len=max_response_len,

@@ -275,3 +275,18 @@ def test_sample_next_top_p_keeps_only_the_nucleus():
     tok, lp = sample_next(logits, 1.0, 0.8, torch.Generator().manual_seed(0))
     assert set(tok.tolist()) == {0, 1}
     torch.testing.assert_close(lp, torch.log(torch.tensor([0.6, 0.3]))[tok])
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sample_next_draws_each_token_with_its_probability(top_p):
+    """Token frequencies over many rows match softmax(logits / T) (renormalised over the nucleus): each count lies
+    within 5 binomial standard deviations of n * p; a token of probability 0 is never drawn."""
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    n, temperature = 20000, 0.5
+    logits = (torch.log(p) * temperature).repeat(n, 1)  # softmax(logits / T) = p
+    tok, _ = sample_next(logits, temperature, top_p, torch.Generator().manual_seed(1))
+    want = p if top_p == 1.0 else torch.tensor([0.5, 0.25, 0.15, 0.0, 0.0]) / 0.9
+    counts = torch.bincount(tok, minlength=5).double()
+    sd = (n * want * (1 - want)).sqrt()
+    assert counts[want == 0].sum() == 0
+    assert ((counts - n * want).abs() <= 5 * sd + 1e-9).all(), (counts, n * want)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from backends.comm import allreduce_counts
 from rldispatch.collectives import (INLINE_BYTES, INLINE_TOTAL, check_digests, gather_objects, global_rank,
                                     inline_bytes, key_digest)
-from rldispatch.metrics import MetricsError, StepStats, distributed_masked_stats, masked_stats
+from rldispatch.metrics import ComputeClock, MetricsError, StepStats, distributed_masked_stats, masked_stats
 
 
 def main() -> None:
@@ -36,6 +36,7 @@ def main() -> None:
     else:
         raise SystemExit("expected MetricsError")
     step_stats(rank, values, pad, split)
+    compute_clock(rank)
     collectives(rank)
     dist.barrier()
     print("OK", rank)
@@ -49,6 +50,7 @@ def step_stats(rank: int, values: torch.Tensor, pad: torch.Tensor, split: list[s
     s.masked("only_mean", values[mine] * 2, pad[mine], keep=("mean",))
     s.sum("n", float((~pad[mine]).sum()))
     s.per_rank("bytes", 10.0 * (rank + 1))
+    s.spread("t", 2.0 + 4.0 * rank)
     if rank == 1:
         s.masked("extra", torch.tensor([4.0, 6.0]))
         s.sum("late", 5.0)
@@ -56,15 +58,37 @@ def step_stats(rank: int, values: torch.Tensor, pad: torch.Tensor, split: list[s
     want = {**distributed_masked_stats(values[mine], pad[mine], "r"),
             "only_mean/mean": distributed_masked_stats(values[mine] * 2, pad[mine], "x")["x/mean"],
             "n": float((~pad).sum()), "bytes/rank0": 10.0, "bytes/rank1": 20.0, "bytes/max": 20.0,
+            "t/max": 6.0, "t/mean": 4.0, "t/straggler_ratio": 1.5,
             "extra/mean": 5.0, "extra/std": 1.0, "extra/min": 4.0, "extra/max": 6.0, "late": 5.0}
     assert got == want, (got, want)  # the same floats: the same moments combined in the same rank order
     partial = StepStats()
     if rank == 0:
         partial.per_rank("bytes", 1.0)
     refused(partial, "ranks [1] did not record")  # a per-rank value one rank did not record
+    partial = StepStats()
+    if rank == 1:
+        partial.spread("t", 1.0)
+    refused(partial, "t: a per-rank value that ranks [0] did not record")
     padding = StepStats()
     padding.masked("p", torch.ones(2), torch.ones(2, dtype=torch.bool))
     refused(padding, "all 2 ranks")  # every sample is padding
+
+
+def compute_clock(rank: int) -> None:
+    """A rank blocked in a gloo collective while its peer computes counts (almost) none of that wait as compute."""
+    clock = ComputeClock("cpu")
+    dist.barrier()
+    with clock.region("update"):
+        if rank == 1:  # the straggler: a fixed amount of work (CPU-seconds do not grow with a loaded machine)
+            a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+            for _ in range(300):
+                a = torch.tanh(a @ a)
+        dist.barrier()
+    got = torch.tensor([clock.seconds["update"]] * 2, dtype=torch.float64)
+    seen = [torch.zeros_like(got) for _ in range(2)]
+    dist.all_gather(seen, got)
+    waited, worked = float(seen[0][0]), float(seen[1][0])
+    assert worked > 0.05 and waited < 0.25 * worked, (waited, worked)
 
 
 def refused(stats: StepStats, fragment: str) -> None:

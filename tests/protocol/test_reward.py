@@ -295,3 +295,29 @@ def test_reward_config_errors():
                                CustomRewardFunctionConfig(), TOK.decode, max_response_len=4)
     assert (mgr.max_response_len, mgr.buffer_len, mgr.penalty_factor) == (4, 2, 0.5)
     assert isinstance(RewardResult(torch.zeros(0)).extras, dict)
+
+
+def test_gsm8k_training_reward_is_shaped_and_validation_stays_strict():
+    """reward.gsm8k_train applies the reference system's gsm8k scorer parameters to training only."""
+    from protocol.algos.reward import GSM8KTrainConfig
+    from protocol.algos.scorers.gsm8k import compute_score
+
+    texts = ["so 3 + 4 = 7 #### 7", "so 3 + 4 = 8 #### 8", "so 3 + 4 = 7", "no number"]
+    items = [RewardInput(TOK.encode(t), "openai/gsm8k", "7") for t in texts] + \
+        [RewardInput(TOK.encode("ab"), "exact_match", "ab")]
+    custom = CustomRewardFunctionConfig()
+    for method, fmt in (("strict", 0.1), ("flexible", 0.0), ("flexible", 0.2)):
+        reward = RewardConfig(gsm8k_train=GSM8KTrainConfig(method=method, format_score=fmt))
+        train = build_reward_manager(reward, custom, TOK.decode, max_response_len=32)(items).scores.tolist()
+        val = build_reward_manager(reward, custom, TOK.decode, max_response_len=32, train=False)(items).scores
+        # scores are float32 tensors: the formula's values rounded once to float32
+        assert train[:4] == torch.tensor([compute_score(t, "7", method=method, format_score=fmt)
+                                          for t in texts]).tolist()
+        assert val.tolist()[:4] == [compute_score(t, "7") for t in texts] == [1.0, 0.0, 0.0, 0.0]
+        assert train[4] == val.tolist()[4] == 1.0  # other data sources: their own scorer
+    assert build_reward_manager(RewardConfig(gsm8k_train=GSM8KTrainConfig("strict", 0.1)), custom, TOK.decode,
+                                max_response_len=32)(items[1:2]).scores.tolist() == torch.tensor([0.1]).tolist()
+    with pytest.raises(RewardError, match="reward.gsm8k_train.method must be"):
+        GSM8KTrainConfig(method="loose")
+    with pytest.raises(RewardError, match=r"reward.gsm8k_train.format_score must be in \[0, 1\)"):
+        GSM8KTrainConfig(format_score=1.0)

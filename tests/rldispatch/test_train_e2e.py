@@ -37,6 +37,9 @@ def _check_step_records(records: list[dict], steps: int) -> None:
         for key in ("reward/score/mean", "actor/loss", "actor/grad_norm", "actor/lr", "response_length/mean",
                     "policy_length/mean", "dispatch/balance_after", "perf/tokens_per_s", "timing_s/step"):
             assert key in r and r[key] is not None, (key, r)
+        for stage in ("perf/rank_time/update", "perf/rank_time"):  # each rank's own compute, max over mean
+            assert 0 < r[f"{stage}/mean"] <= r[f"{stage}/max"], r
+            assert r[f"{stage}/straggler_ratio"] == pytest.approx(r[f"{stage}/max"] / r[f"{stage}/mean"]), r
 
 
 @pytest.mark.dist
