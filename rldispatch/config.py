@@ -158,7 +158,7 @@ class ReplayConfig:
     sample_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for key in ("max_off_policy_threshold", "parameter_sync_step", "sample_timeout_s"):
+        for key in ("max_off_policy_threshold", "sample_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"replay.{key} must be > 0, got {getattr(self, key)}")
 

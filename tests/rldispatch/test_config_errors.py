@@ -56,7 +56,6 @@ BAD = [
     (["algorithm.kl_ctrl.kl_coef=-1"], "algorithm.kl_ctrl.kl_coef", "must be a finite number >= 0"),
     (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon",
      "must be > 0 for the adaptive controller"),
-    (["replay.parameter_sync_step=0"], "replay.parameter_sync_step", "must be > 0"),
     (["replay.max_off_policy_threshold=-1"], "replay.max_off_policy_threshold", "must be > 0"),
     (["rollout.agent_loop=tool", "rollout.max_turns=0"], "rollout.max_turns", "must be a positive integer"),
     (["debug.inject_rollout_failures=2"], "debug.inject_rollout_failures", "in [0, 1]"),
