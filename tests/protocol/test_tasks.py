@@ -236,3 +236,4 @@ def test_a_task_registers_its_scorer_and_a_scorer_name_is_refused():
     with pytest.raises(TaskError, match="task 'math_dapo' cannot be registered.*already registered"):
         register_task("math_dapo")(ReverseTask)
     assert "math_dapo" not in known_tasks()  # refused whole: no task without its scorer
+    assert ReverseTask.name == "reverse"  # and the class keeps its own data_source

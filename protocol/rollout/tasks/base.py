@@ -102,8 +102,6 @@ def register_task(name: str):
 
     def deco(factory):
         register(factory)
-        if isinstance(factory, type):
-            factory.name = name
         if name not in _TASK_SCORERS:
             scorer = _task_scorer(name)
             try:
@@ -112,6 +110,8 @@ def register_task(name: str):
                 _TASKS.unregister(name)
                 raise TaskError(f"task {name!r} cannot be registered: {exc}") from exc
             _TASK_SCORERS[name] = scorer
+        if isinstance(factory, type):  # only once registered: a refused name leaves the class as it was
+            factory.name = name
         return factory
 
     return deco
