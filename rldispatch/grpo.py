@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 from datetime import timedelta
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,6 +54,7 @@ from protocol.store.batching import batch_of, jagged_rows
 from protocol.store.keys import uid_of
 from protocol.rollout.tokenizer import check_vocab_fits, decode_response, load_tokenizer, resolve_tokenizer
 from rldispatch.bridge import StoreBridge
+from rldispatch.step_state import StepState
 from rldispatch.config import ConfigError, RunConfig
 from rldispatch.collectives import check_digests, gather_objects, key_digest
 from rldispatch.run_dir import (RUN_RECORD, check_resume_config, checkpoint_candidates, claim_run_dir,
@@ -65,7 +66,7 @@ from rldispatch.metrics import (
     ComputeClock, MetricsLogger, StepStats, Timer, distributed_masked_stats, explained_variance, sample_lengths,
 )
 from rldispatch.ref import build_reference
-from rldispatch.plan import StepPlan, batch_settings, prepare_step_plan
+from rldispatch.plan import batch_settings, prepare_step_plan
 from rldispatch.rollout import RolloutWorker, VersionedGenerate, run_to_end
 from rldispatch.schedule import build_schedule
 from rldispatch.summary import RunSummary
@@ -191,33 +192,6 @@ def combine_update_metrics(updates: Sequence[dict[str, float]], prefix: str = "a
         out[f"{prefix}{k}"] = sum(vals) if k in _SUMMED else vals[-1] if k in _LAST else sum(vals) / len(vals)
     out[f"{prefix}optimizer_steps"] = float(len(updates))
     return out
-
-
-@dataclass
-class StepState:
-    """What one step's stages hand each other besides the KVBatchMeta: its prompts, plan, this rank's keys, metrics."""
-
-    step: int
-    prompts: tuple[list[dict], list[str]]
-    metrics: dict[str, float] = field(default_factory=dict)
-    stats: StepStats = field(default_factory=StepStats)  # cross-rank metrics, reduced once in _finish
-    times: dict[str, float] = field(default_factory=dict)
-    compute: ComputeClock = field(default_factory=ComputeClock)  # this rank's inference / update compute
-    sampled: KVBatchMeta | None = None  # the replay buffer's batch (real trajectories)
-    plan: StepPlan | None = None
-    own: list[str] = field(default_factory=list)  # trajectories generated on this rank (and padding on rank 0)
-    owners: list[list[str]] = field(default_factory=list)  # ``own`` of every rank (index = store rank)
-    own_pad: torch.Tensor | None = None
-    mine: KVBatchMeta | None = None  # this DP rank's share for inference
-    infer_inputs: TensorDict | None = None
-
-    @property
-    def rows(self) -> list[dict]:
-        return self.prompts[0]
-
-    @property
-    def uids(self) -> list[str]:
-        return self.prompts[1]
 
 
 class GRPOTrainer:
@@ -521,7 +495,7 @@ class GRPOTrainer:
         self._stage("gc", st, self._collect_garbage, batch)                  # 11. cyclic garbage (gc_interval)
         return self._finish(st, time.perf_counter() - t_step)
 
-    def _stage(self, name: str, st: "StepState", fn, batch: KVBatchMeta | None) -> KVBatchMeta | None:
+    def _stage(self, name: str, st: StepState, fn, batch: KVBatchMeta | None) -> KVBatchMeta | None:
         with Timer(name, st.times), self._where(name, st.step):
             return fn(batch, st)
 
@@ -556,12 +530,12 @@ class GRPOTrainer:
         return {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                 "max_tokens": cfg.data.max_response_length}
 
-    def _generate(self, _: None, st: "StepState") -> None:
+    def _generate(self, _: None, st: StepState) -> None:
         self.schedule.generate(st)
         self.trace.select(st.uids[0])
         return None
 
-    def _sample(self, _: None, st: "StepState") -> KVBatchMeta:
+    def _sample(self, _: None, st: StepState) -> KVBatchMeta:
         cfg, B = self.cfg, self.cfg.data.train_batch_size
         try:
             meta = self.schedule.sample(st, B)
@@ -575,7 +549,7 @@ class GRPOTrainer:
         self._trace("rollout", meta, ["prompts", "responses", "input_ids", "response_mask"], "agent_loop", "reward")
         return meta
 
-    def _plan(self, meta: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+    def _plan(self, meta: KVBatchMeta, st: StepState) -> KVBatchMeta:
         """Pad and plan (pure: every rank reaches the same plan); returns real + padding keys with their tags.
 
         The ranks split the plan's mini-batches and exchange them on the padding's sync, with the key-order check.
@@ -595,7 +569,7 @@ class GRPOTrainer:
         st.own_pad = self._padding_flags(st.own, full)
         return full
 
-    def _compute_reward(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+    def _compute_reward(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         result = self._score(st.own, TRAIN, self.schedule.rows, st.own_pad)
         st.stats.masked("reward/score", result.scores.double(), st.own_pad)
         self._reward_extra_metrics(result, st.own_pad, st.stats)
@@ -606,7 +580,7 @@ class GRPOTrainer:
         self._trace("reward", st.sampled, ["rm_scores"], "reward_manager", "advantage")
         return full
 
-    def _compute_old_log_prob(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+    def _compute_old_log_prob(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         cfg = self.cfg
         st.mine = st.plan.rank_meta(full, self.dp_rank)
         recompute = cfg.rollout.log_prob_mode == "recompute"
@@ -623,7 +597,7 @@ class GRPOTrainer:
         self._trace("old_log_prob", st.sampled, ["old_log_probs"], "actor.infer_batch", "actor.train_batch")
         return full
 
-    def _compute_ref_log_prob(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+    def _compute_ref_log_prob(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         """Reference log-probs, and the KL metrics on the rank that produced them (no values travel for them)."""
         with st.compute.region("infer"):
             self.ref_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
@@ -634,7 +608,7 @@ class GRPOTrainer:
         self._trace("ref", st.sampled, ["ref_log_prob"], "ref.infer_batch", "kl")
         return full
 
-    def _compute_values(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+    def _compute_values(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         """The critic's value of every response token, on the inference share the log-probs used (no new fetch)."""
         with st.compute.region("infer"):
             self.critic_bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
@@ -643,7 +617,7 @@ class GRPOTrainer:
         self._trace("values", st.sampled, ["values"], "critic.infer_batch", "advantage")
         return full
 
-    def _kl_metrics(self, st: "StepState", inputs: TensorDict) -> None:
+    def _kl_metrics(self, st: StepState, inputs: TensorDict) -> None:
         """``kl/*`` over real samples: per-sample masked mean of the estimator, from this rank's written share."""
         mine, stats = st.mine, st.stats
         kl_vals, pad = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
@@ -662,7 +636,7 @@ class GRPOTrainer:
             pad = torch.tensor([bool(t.get("is_padding")) for t in mine.tags], dtype=torch.bool)
         stats.masked("kl", kl_vals, pad)
 
-    def _compute_advantage(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+    def _compute_advantage(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         self._advantage(st.owners, st.own_pad, st.stats)
         # each rank wrote its own groups' fields, which every rank knows: their locations need no collective
         rc = self.cfg.algorithm.rollout_correction
@@ -673,7 +647,7 @@ class GRPOTrainer:
             self._check_invariants(st.own)
         return full
 
-    def _update_actor(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+    def _update_actor(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         if self.critic is None or st.step >= self.cfg.critic.warmup_steps:  # the critic's warm-up: no update
             shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
             use_is = self.cfg.algorithm.rollout_correction.rollout_is is not None
@@ -687,7 +661,7 @@ class GRPOTrainer:
         self._sample_metrics(st.own, st.own_pad, st.stats)
         return full
 
-    def _update_critic(self, full: KVBatchMeta, st: "StepState") -> KVBatchMeta:
+    def _update_critic(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         """The value loss over the actor's mini- and micro-batches (ppo_epochs x mini-batches, one optimizer step
         each)."""
         shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
@@ -698,18 +672,18 @@ class GRPOTrainer:
         st.metrics.update(combine_update_metrics(updates, prefix="critic/"))
         return full
 
-    def _clear(self, full: KVBatchMeta, st: "StepState") -> None:
+    def _clear(self, full: KVBatchMeta, st: StepState) -> None:
         self.replay.clear(st.sampled, extra_keys=st.plan.padding_keys)
         self.schedule.after_clear(st)
         st.stats.sum("store/keys_after_clear", float(self.store.num_keys()))
 
-    def _collect_garbage(self, _: KVBatchMeta | None, st: "StepState") -> None:
+    def _collect_garbage(self, _: KVBatchMeta | None, st: StepState) -> None:
         self.gc.step_done(st.step)
 
-    def _sync_weights(self, _: KVBatchMeta | None, st: "StepState") -> None:
+    def _sync_weights(self, _: KVBatchMeta | None, st: StepState) -> None:
         self.rollout.load_weights(self.engine.get_weights(), version=st.step + 1)
 
-    def _finish(self, st: "StepState", seconds: float) -> dict[str, float]:
+    def _finish(self, st: StepState, seconds: float) -> dict[str, float]:
         m = st.metrics
         st.stats.per_rank("dataplane/bytes_received", self.store.bytes_received)
         self.store.bytes_received = 0
@@ -730,7 +704,7 @@ class GRPOTrainer:
         m["perf/tokens_per_s"] = tokens / max(seconds, 1e-9)
         return m
 
-    def _rank_time_stats(self, st: "StepState") -> None:
+    def _rank_time_stats(self, st: StepState) -> None:
         """``perf/rank_time/{infer,update}`` and their total: each rank's compute, max / mean / straggler ratio.
 
         Every rank records the same names (the stages run on every rank; a stage switched off records nothing)."""
@@ -749,7 +723,7 @@ class GRPOTrainer:
         td = self.store.read_local(own, TRAIN, fields)
         assert_invariants(td, keys=own, tags=self.store.tags_of(own, TRAIN))
 
-    def _infer_wants(self, st: "StepState", reporting_only: bool = False) -> list[list[str]]:
+    def _infer_wants(self, st: StepState, reporting_only: bool = False) -> list[list[str]]:
         """Every store rank's keys of its inference share (index = rank), from the replicated plan, for a planned
         fetch (only the replicas' reporting ranks ask, with ``reporting_only``)."""
         topo = self.topology

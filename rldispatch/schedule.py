@@ -20,14 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from protocol.rollout.agent_loop import register_prompts
 from protocol.store.meta import KVBatchMeta
 from rldispatch.config import ConfigError
 
-if TYPE_CHECKING:  # the trainer builds its schedule; nothing here runs without one
-    from rldispatch.grpo import GRPOTrainer, StepState
+from rldispatch.step_state import StepState
 
 __all__ = ["SyncSchedule", "ColocateAsyncSchedule", "build_schedule", "DRIVE_SLICE_S"]
 
@@ -43,7 +42,7 @@ class SyncSchedule:
     name = "sync"
     keeps_generating = False  # whether generation outlives a call (validation then leaves its tasks alone)
 
-    def __init__(self, trainer: "GRPOTrainer"):
+    def __init__(self, trainer: Any):
         self.t = trainer
         self.rows: dict[str, dict] = {}  # uid -> dataset row of every prompt submitted and not yet trained on
         self.generating_s = 0.0  # seconds the step spent generating
@@ -52,13 +51,13 @@ class SyncSchedule:
     def begin(self) -> None:
         """Before the first step (after the initial validation)."""
 
-    def generate(self, st: "StepState") -> None:
+    def generate(self, st: StepState) -> None:
         t0 = time.perf_counter()
         self.rows = dict(zip(st.uids, st.rows))
         self.t._rollout(st.rows, st.uids, TRAIN, st.step, self.t._train_sampling())
         self.generating_s = self.waiting_s = time.perf_counter() - t0
 
-    def sample(self, st: "StepState", batch_size: int) -> KVBatchMeta:
+    def sample(self, st: StepState, batch_size: int) -> KVBatchMeta:
         # every group of the step is terminal now, so fewer usable groups than asked means some failed: train on
         # the rest rather than wait for groups that never come
         t0 = time.perf_counter()
@@ -68,10 +67,10 @@ class SyncSchedule:
         finally:
             self.waiting_s += time.perf_counter() - t0
 
-    def after_clear(self, st: "StepState") -> None:
+    def after_clear(self, st: StepState) -> None:
         self.t.store.kv_clear(st.uids, TRAIN)  # prompt keys of groups the replay buffer dropped earlier
 
-    def step_metrics(self, st: "StepState", seconds: float) -> dict[str, float]:
+    def step_metrics(self, st: StepState, seconds: float) -> dict[str, float]:
         """Idle times of the step: the trainer waiting for trajectories, the rollout not generating."""
         out = {"timing_s/trainer_idle": self.waiting_s,
                "timing_s/rollout_idle": max(seconds - self.generating_s, 0.0)}
@@ -105,7 +104,7 @@ class ColocateAsyncSchedule(SyncSchedule):
     name = "colocate_async"
     keeps_generating = True
 
-    def __init__(self, trainer: "GRPOTrainer"):
+    def __init__(self, trainer: Any):
         super().__init__(trainer)
         cfg = trainer.cfg
         self.batch_size = cfg.data.train_batch_size
@@ -169,7 +168,7 @@ class ColocateAsyncSchedule(SyncSchedule):
             self._submit(self.batch_size, self.t.step, self.batches)
             self.batches += 1
 
-    def generate(self, st: "StepState") -> None:
+    def generate(self, st: StepState) -> None:
         """Submit the step's batch of fresh prompts; generation runs when the sample stage drives it."""
         self._step = st.step
         rows, uids = self._submit(self.batch_size, st.step, self.batches)
@@ -196,7 +195,7 @@ class ColocateAsyncSchedule(SyncSchedule):
         self._drive(DRIVE_SLICE_S)
         self.t.store.sync()  # every rank decides from the same listing
 
-    def sample(self, st: "StepState", batch_size: int) -> KVBatchMeta:
+    def sample(self, st: StepState, batch_size: int) -> KVBatchMeta:
         self._step = st.step
         t0 = time.perf_counter()
         try:
@@ -216,10 +215,10 @@ class ColocateAsyncSchedule(SyncSchedule):
             self.rows.pop(uid, None)
             self.numbers.pop(uid, None)
 
-    def after_clear(self, st: "StepState") -> None:
+    def after_clear(self, st: StepState) -> None:
         self._forget(st.sampled.extra_info.get("uids", []))
 
-    def step_metrics(self, st: "StepState", seconds: float) -> dict[str, float]:
+    def step_metrics(self, st: StepState, seconds: float) -> dict[str, float]:
         out = super().step_metrics(st, seconds)
         out["async/tasks_in_flight"] = float(sum(not task.done() for task in self.tasks))
         return out
@@ -259,7 +258,7 @@ def _runs(numbers: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def build_schedule(trainer: "GRPOTrainer") -> SyncSchedule:
+def build_schedule(trainer: Any) -> SyncSchedule:
     """The schedule of ``trainer.mode``."""
     mode = trainer.cfg.trainer.mode
     if mode == "sync":

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from backends.checkpoint_dir import prepare_checkpoint_dir
+from backends.fsdp.rows import local_rows
 
 __all__ = ["save", "load", "full_weights", "reshard", "load_full_weights", "load_hf_shards", "local_rows",
            "read_model_weights", "CheckpointError"]
@@ -108,31 +109,6 @@ def load_full_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
                                   f"{tuple(p.shape)}")
     set_model_state_dict(model, {n: t for n, t in state_dict.items()},
                          options=StateDictOptions(full_state_dict=True))
-
-
-def local_rows(param) -> tuple[int, int]:
-    """The global row range ``[start, stop)`` along dim 0 that this rank holds of ``param``.
-
-    FSDP2 shards dim 0 like ``torch.chunk`` over each ``Shard(0)`` mesh axis (chunks of ``ceil(rows / n)``, the
-    last ones shorter or empty); ``Replicate`` axes (HSDP) hold every row. A plain tensor holds all its rows.
-    """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(param, DTensor):
-        return 0, int(param.shape[0])
-    coord = param.device_mesh.get_coordinate()
-    start, length = 0, int(param.shape[0])
-    for axis, placement in enumerate(param.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if not isinstance(placement, Shard) or placement.dim != 0:
-            raise CheckpointError(f"parameter placement {placement} is not supported (FSDP shards dim 0 only)")
-        n = param.device_mesh.size(axis)
-        chunk = -(-length // n)
-        lo = min(coord[axis] * chunk, length)
-        hi = min(lo + chunk, length)
-        start, length = start + lo, hi - lo
-    return start, start + length
 
 
 @torch.no_grad()

@@ -18,6 +18,10 @@ def _categorical(weights: torch.Tensor, generator: torch.Generator | None) -> to
     Inverts each row's CDF (float64) at one uniform draw: ``torch.multinomial`` draws an exponential variate for
     every vocabulary entry, which at a 49k vocabulary is a sizeable share of a CPU decode step."""
     cdf = weights.double().cumsum(-1)
+    total = cdf[:, -1]
+    if not bool(torch.isfinite(total).all() and (total > 0).all()):  # nan / inf logits: no distribution to draw from
+        bad = (~torch.isfinite(total) | (total <= 0)).nonzero().flatten().tolist()
+        raise RuntimeError(f"sampling probabilities of rows {bad[:8]} are nan, inf or all zero (non-finite logits)")
     u = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64, device=weights.device)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry whose CDF exceeds the draw
     return picked.clamp_(max=weights.shape[-1] - 1).squeeze(-1)

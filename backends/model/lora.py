@@ -119,7 +119,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     Drawn from one CPU generator in parameter order, full size, then each rank keeps its own rows: the same adapters
     for every world size and device, whether the parameters are FSDP2 shards or whole tensors.
     """
-    from backends.fsdp.checkpoint import local_rows
+    from backends.fsdp.rows import local_rows
 
     gen = torch.Generator(device="cpu").manual_seed(int(seed) + 7_340_033)
     for name, p in model.named_parameters():

@@ -290,3 +290,13 @@ def test_sample_next_draws_each_token_with_its_probability(top_p):
     sd = (n * want * (1 - want)).sqrt()
     assert counts[want == 0].sum() == 0
     assert ((counts - n * want).abs() <= 5 * sd + 1e-9).all(), (counts, n * want)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_sample_next_refuses_non_finite_logits(bad):
+    """A row without a distribution (nan or inf logits) is an error naming it, never a silently drawn token."""
+    logits = torch.zeros(3, 5)
+    logits[1, 2] = bad
+    for top_p in (1.0, 0.8):
+        with pytest.raises(RuntimeError, match=r"rows \[1\] are nan, inf or all zero"):
+            sample_next(logits, 1.0, top_p, torch.Generator().manual_seed(0))
