@@ -15,16 +15,14 @@ __all__ = ["generate", "sample_next", "KVCache"]
 def _categorical(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One index per row of non-negative ``weights`` [B, V] (any scale), drawn with probability weight / row sum.
 
-    Inverts each row's CDF (float64) at one uniform draw: ``torch.multinomial`` draws an exponential variate for
-    every vocabulary entry, which at a 49k vocabulary is a sizeable share of a CPU decode step."""
-    cdf = weights.double().cumsum(-1)
-    total = cdf[:, -1]
-    if not bool(torch.isfinite(total).all() and (total > 0).all()):  # nan / inf logits: no distribution to draw from
-        bad = (~torch.isfinite(total) | (total <= 0)).nonzero().flatten().tolist()
+    ``torch.multinomial``: its per-entry exponential race moves a draw only where two candidates nearly tie, so two
+    backends whose logits differ by float rounding sample the same tokens far more often than an inverted CDF does
+    (there every earlier entry's rounding shifts the boundaries)."""
+    total = weights.sum(-1, keepdim=True)
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # nan / inf logits: no distribution to draw from
+        bad = (~torch.isfinite(total) | (total <= 0)).flatten().nonzero().flatten().tolist()
         raise RuntimeError(f"sampling probabilities of rows {bad[:8]} are nan, inf or all zero (non-finite logits)")
-    u = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64, device=weights.device)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry whose CDF exceeds the draw
-    return picked.clamp_(max=weights.shape[-1] - 1).squeeze(-1)
+    return torch.multinomial(weights, 1, generator=generator).squeeze(-1)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
@@ -45,7 +43,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
         keep = (sp.cumsum(-1) - sp) < top_p  # keep the smallest prefix whose mass reaches top_p
         keep[:, 0] = True
         sp = sp * keep
-        tokens = si.gather(-1, _categorical(sp, generator)[:, None]).squeeze(-1)
+        tokens = si.gather(-1, _categorical(sp / sp.sum(-1, keepdim=True), generator)[:, None]).squeeze(-1)
     else:
         tokens = _categorical(probs, generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
