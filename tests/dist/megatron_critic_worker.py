@@ -3,7 +3,8 @@
 The same 8 samples (one a padding sample with a full response mask and returns 1000 away) go to the FSDP critic
 (DP 2) and to megatron critics with TP 2 and PP 2 (DP 1, other micro-batch splits): values equal the reference's,
 two SGD steps of the clipped value loss give the same metrics and weights as the FSDP critic's. Then a critic joins
-an actor's parallel state (the run's layout) and one of other degrees is refused. Prints ``OK <check>`` lines.
+an actor's parallel state (the run's layout) and one of other degrees is refused; a checkpoint taken after two AdamW
+steps (distributed optimizer, DP 2) resumes exactly. Prints ``OK <check>`` lines.
 """
 from __future__ import annotations
 
@@ -153,6 +154,47 @@ def main() -> None:
     finally:
         actor.close()
     log("OK critic joins the actor's parallel state; other degrees refused")
+    checkpoint_case(data)
+
+
+def checkpoint_case(data) -> None:
+    """AdamW with the distributed optimizer over DP 2: two steps, save, a third step; a fresh critic that loads the
+    checkpoint takes the same third step exactly (Adam's moments and step counts restored)."""
+    import shutil
+    import tempfile
+
+    par = MegatronConfig(tp=1, use_distributed_optimizer=True)
+    topo = topology(par, 2)
+    adam = OptimConfig(name="adamw", lr=1e-2, eps=1e-3, clip_grad=1e6, warmup_steps=3)
+    pos = list(range(topo.dp_rank(dist.get_rank()), N, topo.dp_size))
+    holder = [tempfile.mkdtemp(prefix="megatron_critic_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder)
+    try:
+        eng = MegatronCriticEngine(config(adam, par), topo)
+        try:
+            for _ in range(2):
+                eng.train_batch(share_of(data, pos, 2))
+            eng.save_checkpoint(holder[0], {"step": 2})
+            cont = eng.train_batch(share_of(data, pos, 2))
+            w_cont = eng.get_weights()
+        finally:
+            eng.close()
+        eng = MegatronCriticEngine(config(adam, par), topo)
+        try:
+            assert eng.load_checkpoint(holder[0]) == {"step": 2}
+            res = eng.train_batch(share_of(data, pos, 2))
+            w_res = eng.get_weights()
+        finally:
+            eng.close()
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(holder[0], ignore_errors=True)
+    for key in ("vf_loss", "grad_norm", "lr", "global_step"):
+        assert res[key] == cont[key], (key, res, cont)
+    d = max_diff(w_res, w_cont)
+    assert d == 0.0, d
+    log("OK critic checkpoint dp=2 dist_opt adamw: resume after 2 steps == uninterrupted")
 
 
 if __name__ == "__main__":
