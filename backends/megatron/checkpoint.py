@@ -89,6 +89,7 @@ def save(engine, path: str, extra_state: dict) -> None:
     from megatron.core import dist_checkpointing
 
     _in_process_results_queue()
+    _fresh_adam_state(engine)
     rank = dist.get_rank()
     prepare_checkpoint_dir(path)  # megatron-core expects an empty folder (else: "Overwriting old incomplete ...")
     dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
@@ -103,6 +104,20 @@ def save(engine, path: str, extra_state: dict) -> None:
 
 
 _STEPS = "adam_steps"
+
+
+def _fresh_adam_state(engine) -> None:
+    """Give an Adam that has not stepped yet the state torch would create at its first step (step 0, zero moments),
+    which changes no update: megatron-core's distributed optimizer cannot write a checkpoint without one (an actor
+    saved during the critic's warm-up has never stepped)."""
+    for opt in engine._sub_optimizers:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or inner.state:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _step_states(engine) -> list[list[dict | None]]:
