@@ -89,7 +89,8 @@ class MegatronCriticEngine(MegatronEngine):
 
     def _build_chunks(self) -> list:
         par = self.config.megatron
-        # untied: the head replaces the output layer (a tied one would share the embedding's weight)
+        # untied: the head replaces the output layer (a tied one would share the embedding's weight); GPTModel
+        # still builds its vocabulary projection first, a transient vocab x hidden / tp allocation on the last stage
         chunks = build_model_chunks(dataclasses.replace(self.config.model, tie_word_embeddings=False), par,
                                     self.tcfg, use_te=self.use_te)
         for gpt in chunks:
