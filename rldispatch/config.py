@@ -135,14 +135,15 @@ class CriticFSDPConfig(FSDPConfig):
 
 @dataclass
 class CriticConfig:
-    """A value model trained beside the actor (PPO with ``algorithm.adv_estimator=gae``); FSDP only."""
+    """A value model trained beside the actor (PPO with ``algorithm.adv_estimator=gae``), on the actor's backend; a
+    Megatron critic has the actor's ``actor.megatron`` degrees (it joins the actor's parallel state)."""
 
     enabled: bool = False
     hf_path: str = ""  # "" = the actor's starting weights (model.hf_path, or the seeded init); the head is new
     cliprange_value: float = 0.5
     warmup_steps: int = 0  # first steps that train only the critic (the reference system's trainer.critic_warmup)
     optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
-    fsdp: CriticFSDPConfig = field(default_factory=CriticFSDPConfig)
+    fsdp: CriticFSDPConfig = field(default_factory=CriticFSDPConfig)  # FSDP actors only
 
 
 @dataclass
@@ -437,8 +438,8 @@ CRITIC_ESTIMATORS = ("gae",)
 
 
 def _check_critic(cfg: RunConfig) -> None:
-    """A critic exactly when the estimator reads values; on FSDP; with the actor's logical DP (one plan serves
-    both); a ``critic.hf_path`` of the actor's architecture."""
+    """A critic exactly when the estimator reads values; with the actor's logical DP (one plan serves both); a
+    ``critic.hf_path`` of the actor's architecture."""
     est, c = cfg.algorithm.adv_estimator, cfg.critic
     if est in CRITIC_ESTIMATORS and not c.enabled:
         raise ConfigError(f"algorithm.adv_estimator={est} needs a critic's values: set critic.enabled=true "
@@ -452,11 +453,9 @@ def _check_critic(cfg: RunConfig) -> None:
     if est not in CRITIC_ESTIMATORS:
         raise ConfigError(f"critic.enabled=true but algorithm.adv_estimator={est} reads no values (only "
                           f"{list(CRITIC_ESTIMATORS)} do): set algorithm.adv_estimator=gae or critic.enabled=false")
-    if cfg.actor.backend != "fsdp":
-        raise ConfigError(f"critic.enabled=true with actor.backend={cfg.actor.backend}: the critic runs on the FSDP "
-                          f"backend only (no Megatron critic yet); set actor.backend=fsdp, or critic.enabled=false "
-                          f"with algorithm.adv_estimator=grpo")
-    if c.fsdp.ulysses_sp != cfg.actor.fsdp.ulysses_sp:
+    if cfg.actor.backend == "megatron":
+        _check_megatron_critic(cfg)
+    elif c.fsdp.ulysses_sp != cfg.actor.fsdp.ulysses_sp:
         raise ConfigError(f"critic.fsdp.ulysses_sp ({c.fsdp.ulysses_sp}) must equal actor.fsdp.ulysses_sp "
                           f"({cfg.actor.fsdp.ulysses_sp}): the critic's logical DP (world / ulysses_sp) must be the "
                           f"actor's, since one dispatch plan serves both")
@@ -474,6 +473,20 @@ def _check_critic(cfg: RunConfig) -> None:
                               + ", ".join(f"{k} ({getattr(found, k)!r} vs model.{k}={getattr(cfg.model, k)!r})"
                                           for k in diff)
                               + "; the critic shares the actor's architecture")
+
+
+def _check_megatron_critic(cfg: RunConfig) -> None:
+    """A Megatron critic joins the actor's megatron-core parallel state (``actor.megatron``'s degrees, hence the
+    actor's logical DP): a critic.fsdp section would not be read, and its optimizer must suit that section."""
+    c = cfg.critic
+    changed = [f.name for f in dataclasses.fields(c.fsdp) if getattr(c.fsdp, f.name) != getattr(CriticFSDPConfig(),
+                                                                                                 f.name)]
+    if changed:
+        raise ConfigError(f"critic.fsdp.{changed[0]} is set but actor.backend=megatron: the Megatron critic runs with "
+                          f"the actor's actor.megatron degrees and has no FSDP section; remove critic.fsdp.*")
+    if cfg.actor.megatron.use_distributed_optimizer and c.optim.name != "adamw":
+        raise ConfigError(f"critic.optim.name={c.optim.name!r} with actor.megatron.use_distributed_optimizer=true: "
+                          f"megatron-core's distributed optimizer supports Adam only; set critic.optim.name=adamw")
 
 
 def _check_reward(cfg: RunConfig) -> None:

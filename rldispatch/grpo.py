@@ -276,7 +276,12 @@ class GRPOTrainer:
             raise ConfigError(f"data.{key}: {exc}") from exc
 
     def _build_critic(self):
-        """The value model on its own FSDP section; its topology must give the actor's DP ranks (one plan)."""
+        """The value model on its own FSDP section, whose topology must give the actor's DP ranks (one plan), or a
+        Megatron critic in the actor's megatron-core parallel state (the actor's topology)."""
+        if self.cfg.actor.backend == "megatron":
+            from backends.megatron.critic import MegatronCriticEngine
+
+            return MegatronCriticEngine(self.cfg.critic_engine_config(), self.topology)
         from backends.fsdp.critic import FSDPCriticEngine
 
         topology = Topology.from_config(self.cfg.critic.fsdp, self.ctx.world)

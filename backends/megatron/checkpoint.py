@@ -2,7 +2,8 @@
 plus the engine step, every rank's RNG state and the caller's ``extra_state`` in small side files.
 
 Layout of ``path``: the dist-checkpoint files (model chunks ``model`` / ``model0..`` and ``optimizer``),
-``engine_state.pt`` (step, parallel degrees, extra_state; written by global rank 0) and ``rng/rank{r}.pt``.
+``engine_state.pt`` (step, parallel degrees, extra_state; written by global rank 0) and ``rng/rank{r}.pt`` (the
+rank's RNG states and its Adam step counts, which megatron-core's distributed optimizer does not restore).
 The LR schedule is a pure function of the step (:func:`backends.optim.lr_factor`), so restoring the step
 restores it.
 """
@@ -88,30 +89,70 @@ def save(engine, path: str, extra_state: dict) -> None:
     from megatron.core import dist_checkpointing
 
     _in_process_results_queue()
+    _fresh_adam_state(engine)
     rank = dist.get_rank()
     prepare_checkpoint_dir(path)  # megatron-core expects an empty folder (else: "Overwriting old incomplete ...")
     dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     if rank == 0:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     dist.barrier()
-    torch.save(_rng_state(), os.path.join(path, "rng", f"rank{rank}.pt"))
+    torch.save({**_rng_state(), _STEPS: _adam_steps(engine)}, os.path.join(path, "rng", f"rank{rank}.pt"))
     if rank == 0:
         torch.save({"step": engine.step, "degrees": _degrees(engine), "extra_state": dict(extra_state)},
                    os.path.join(path, _STATE_FILE))
     dist.barrier()
 
 
-def _unshare_adam_steps(engine) -> None:
-    """Give every parameter its own Adam ``step`` tensor again.
+_STEPS = "adam_steps"
 
-    megatron-core's distributed optimizer restores one shared ``step`` tensor for all parameters when it wraps
-    torch's Adam; torch increments it in place once per parameter, which would skew the bias correction of
-    every later step."""
+
+def _fresh_adam_state(engine) -> None:
+    """Give an Adam that has not stepped yet the state torch would create at its first step (step 0, zero moments),
+    which changes no update: megatron-core's distributed optimizer cannot write a checkpoint without one (an actor
+    saved during the critic's warm-up has never stepped)."""
     for opt in engine._sub_optimizers:
         inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].detach().clone()
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or inner.state:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _step_states(engine) -> list[list[dict | None]]:
+    """Per sub-optimizer, the torch optimizer state of each of its parameters in param-group order (None: none)."""
+    out = []
+    for opt in engine._sub_optimizers:
+        inner = getattr(opt, "optimizer", None)
+        state = getattr(inner, "state", {})
+        out.append([state.get(p) for g in getattr(inner, "param_groups", []) for p in g["params"]])
+    return out
+
+
+def _adam_steps(engine) -> list[list[float | None]]:
+    return [[float(s["step"]) if s is not None and "step" in s else None for s in states]
+            for states in _step_states(engine)]
+
+
+def _restore_adam_steps(engine, saved: list[list[float | None]] | None, path: str) -> None:
+    """Give every parameter its own Adam ``step`` tensor again, with the count it had when saved.
+
+    megatron-core's distributed optimizer restores one shared ``step`` tensor for all parameters when it wraps
+    torch's Adam, and with the count of the first step rather than the saved one; torch increments it in place
+    once per parameter. Either would skew the bias correction of every later step."""
+    states = _step_states(engine)
+    if saved is None or [len(s) for s in saved] != [len(s) for s in states]:
+        raise CheckpointError(f"{path!r}: its per-rank file holds no Adam step counts for this rank's "
+                              f"{[len(s) for s in states]} parameters (found "
+                              f"{None if saved is None else [len(s) for s in saved]})")
+    for group, counts in zip(states, saved):
+        for state, count in zip(group, counts):
+            if state is not None and torch.is_tensor(state.get("step")):
+                if count is None:
+                    raise CheckpointError(f"{path!r}: a parameter with Adam state was saved without a step count")
+                old = state["step"]
+                state["step"] = torch.tensor(count, dtype=old.dtype, device=old.device)
 
 
 def load(engine, path: str) -> dict:
@@ -134,10 +175,12 @@ def load(engine, path: str) -> dict:
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
         engine.optimizer.load_state_dict(loaded["optimizer"])
-    _unshare_adam_steps(engine)
     rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
-    if os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    if not os.path.isfile(rng_file):
+        raise CheckpointError(f"{path!r} lacks this rank's rng/rank{dist.get_rank()}.pt (RNG and Adam step counts)")
+    rank_state = torch.load(rng_file, weights_only=False)
+    _restore_adam_steps(engine, rank_state.pop(_STEPS, None), path)
+    _set_rng_state(rank_state)
     engine.step = int(meta["step"])
     dist.barrier()
     return dict(meta["extra_state"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -105,40 +105,77 @@ class MegatronEngine(Engine):
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        if ps.model_parallel_is_initialized():
-            raise RuntimeError("megatron-core parallel state is already initialised in this process; close() the "
-                               "previous MegatronEngine first")
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         self.use_te = te_available()
         self.packed = self.use_te  # THD packed sequences need the TE attention kernels
         self._closed = False
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=par.tp,
-            pipeline_model_parallel_size=par.pp,
-            virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
-            context_parallel_size=par.cp,
-            expert_model_parallel_size=par.ep,
-            expert_tensor_parallel_size=par.etp,
-            **({} if config.dist_timeout_s is None else
-               {"distributed_timeout_minutes": float(config.dist_timeout_s) / 60.0}),
-        )
+        self._owns_state = not ps.model_parallel_is_initialized()
+        if not self._owns_state:
+            self._join_parallel_state(par)
+        else:
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=par.tp,
+                pipeline_model_parallel_size=par.pp,
+                virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
+                context_parallel_size=par.cp,
+                expert_model_parallel_size=par.ep,
+                expert_tensor_parallel_size=par.etp,
+                **({} if config.dist_timeout_s is None else
+                   {"distributed_timeout_minutes": float(config.dist_timeout_s) / 60.0}),
+            )
         try:
-            model_parallel_cuda_manual_seed(int(config.seed))
+            if self._owns_state:
+                model_parallel_cuda_manual_seed(int(config.seed))
             self._check_topology_parallel_state(topology)
             self.tcfg = transformer_config(config.model, par,
                                            dtype=torch.bfloat16 if self.use_te else torch.float32)
-            chunks = build_model_chunks(config.model, par, self.tcfg, use_te=self.use_te)
+            chunks = self._build_chunks()
             self._build_ddp_and_optimizer(chunks)
-            from backends.model.hf import initial_model
-
-            self.set_weights(initial_model(config.model, int(config.seed)).state_dict())
+            self.set_weights(self._initial_weights())
         except BaseException:
-            ps.destroy_model_parallel()
+            if self._owns_state:
+                ps.destroy_model_parallel()
             raise
         self.step = 0
 
     # ------------------------------------------------------------------ set-up
+    #: True for an engine that may run beside another one in the same process (the critic beside the actor): it
+    #: joins megatron-core's parallel state when one exists, which must have its degrees, and leaves it at close()
+    joins_parallel_state: ClassVar[bool] = False
+
+    def _join_parallel_state(self, par) -> None:
+        from megatron.core import parallel_state as ps
+
+        if not self.joins_parallel_state:
+            raise RuntimeError("megatron-core parallel state is already initialised in this process; close() the "
+                               "previous MegatronEngine first")
+        have = {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+                "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+                "cp": ps.get_context_parallel_world_size()}
+        want = {key: int(getattr(par, key)) for key in have}
+        if have != want:
+            raise TopologyMismatch(f"{type(self).__name__} joins this process's megatron-core parallel state, which "
+                                   f"has degrees {have}; its config asks for {want}")
+
+    def _build_chunks(self) -> list:
+        return build_model_chunks(self.config.model, self.config.megatron, self.tcfg, use_te=self.use_te)
+
+    def _initial_weights(self) -> dict[str, torch.Tensor]:
+        """The project-layout weights the engine starts from (a checkpoint or the seeded initial policy)."""
+        from backends.model.hf import initial_model
+
+        return initial_model(self.config.model, int(self.config.seed)).state_dict()
+
+    def _to_shard(self, sd: dict[str, torch.Tensor], **where) -> dict[str, torch.Tensor]:
+        return to_megatron_shard(sd, self.config.model, **where)
+
+    def _from_shards(self, shards: list[dict], layers: list[int]) -> dict[str, torch.Tensor]:
+        return from_megatron_shards(shards, self.config.model, layers=layers)
+
+    def _expected_names(self) -> list[str]:
+        return expected_project_names(self.config.model)
+
     @staticmethod
     def _check_topology_config(topology: Topology, par) -> None:
         if getattr(topology, "backend", "megatron") != "megatron":
@@ -217,7 +254,8 @@ class MegatronEngine(Engine):
         self._sub_optimizers = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def close(self) -> None:
-        """Release the model, optimizer and megatron-core's parallel state (another engine may be built after)."""
+        """Release the model, optimizer and megatron-core's parallel state (another engine may be built after); an
+        engine that joined another's parallel state leaves it to that one."""
         if self._closed:
             return
         from megatron.core import parallel_state as ps
@@ -225,8 +263,9 @@ class MegatronEngine(Engine):
 
         self.chunks, self.optimizer, self._sub_optimizers = [], None, []
         dist.barrier()
-        ps.destroy_model_parallel()
-        tp_random.initialize_rng_tracker(force_reset=True)
+        if self._owns_state:
+            ps.destroy_model_parallel()
+            tp_random.initialize_rng_tracker(force_reset=True)
         self._closed = True
 
     # ------------------------------------------------------------------ interface: parallel facts
@@ -277,8 +316,8 @@ class MegatronEngine(Engine):
         sd = {k: v.detach().to("cpu", torch.float32) for k, v in state_dict.items()}
         for chunk in self.chunks:
             layers, pre, post = self._chunk_layout(chunk)
-            shard = to_megatron_shard(sd, self.config.model, tp_rank=tp_rank, tp_size=tp, layers=layers,
-                                      pre_process=pre, post_process=post)
+            shard = self._to_shard(sd, tp_rank=tp_rank, tp_size=tp, layers=layers, pre_process=pre,
+                                   post_process=post)
             gpt = _unwrap(chunk)
             params = dict(gpt.named_parameters())
             for name, value in shard.items():
@@ -311,13 +350,13 @@ class MegatronEngine(Engine):
                      for n, p in gpt.named_parameters()}
             shards: list[dict] = [None] * tp  # type: ignore[list-item]
             dist.all_gather_object(shards, local, group=tp_group)
-            full.update(from_megatron_shards(shards, self.config.model, layers=layers))
+            full.update(self._from_shards(shards, layers))
         parts: list[dict] = [None] * ps.get_pipeline_model_parallel_world_size()  # type: ignore[list-item]
         dist.all_gather_object(parts, full, group=ps.get_pipeline_model_parallel_group())
         out: dict[str, torch.Tensor] = {}
         for part in parts:
             out.update(part)
-        missing = sorted(set(expected_project_names(self.config.model)) - set(out))
+        missing = sorted(set(self._expected_names()) - set(out))
         if missing:
             raise ConversionError(f"gathered megatron weights lack {missing}")
         return out

@@ -268,7 +268,7 @@ def value_loss(
 
     ``vpreds`` are the critic's current predictions, ``values`` the predictions made before the update (when the
     advantages were computed) and ``returns`` the targets. Per token, with ``c = cliprange_value``:
-    ``v_clip = values + clamp(vpreds - values, -c, c)`` and ``l = max((vpreds - returns)^2, (v_clip - returns)^2)``;
+    ``v_clip = clamp(vpreds, values - c, values + c)`` and ``l = max((vpreds - returns)^2, (v_clip - returns)^2)``;
     the loss is ``0.5 *`` :func:`agg_loss` of ``l`` in ``loss_agg_mode`` (the reference system's
     ``compute_value_loss``, normalised by the counts of the whole optimizer step).
 
@@ -285,7 +285,9 @@ def value_loss(
     pred = _masked(vpreds, mask)
     old = _masked(values.detach().to(vpreds.dtype), mask)
     target = _masked(returns.detach().to(vpreds.dtype), mask)
-    clipped = old + torch.clamp(pred - old, -cliprange_value, cliprange_value)
+    # clipped by value, as the reference's clip_by_value: inside the range it is ``pred`` exactly (old + clamp(pred -
+    # old) rounds when their signs differ, and that rounding alone would count a token in vf_clipfrac)
+    clipped = torch.clamp(pred, old - cliprange_value, old + cliprange_value)
     loss1 = (pred - target) ** 2
     loss2 = (clipped - target) ** 2
     per_token = torch.maximum(loss1, loss2)

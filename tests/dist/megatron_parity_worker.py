@@ -206,7 +206,8 @@ def checkpoint_case(par: MegatronConfig, optim: OptimConfig, data, path: str) ->
     pos = positions(topo)
     eng = MegatronEngine(engine_config(par, optim=optim), topo)
     try:
-        eng.train_batch(share_of(data, pos, 2))
+        for _ in range(2):  # after two steps: Adam's step counts must come back as 2, not as the first step's 1
+            eng.train_batch(share_of(data, pos, 2))
         eng.save_checkpoint(path, {"global_steps": 1})
         m_cont = eng.train_batch(share_of(data, pos, 2))
         w_cont = eng.get_weights()

@@ -119,6 +119,19 @@ def test_value_loss_clip_values():
     torch.testing.assert_close(m["vpred_mean"], torch.tensor(2.1 / 3))
 
 
+def test_value_loss_clipfrac_counts_no_token_inside_the_clip():
+    """A prediction inside the clip is not clipped, even where ``old + (pred - old)`` rounds away from ``pred`` in
+    float32 (signs differ): the clipped value is ``pred`` itself, as the reference's clip_by_value gives it."""
+    old = torch.tensor([[-0.05629199370741844]])
+    pred = torch.tensor([[0.021211033686995506]])
+    assert (old + (pred - old)).item() != pred.item()  # the rounding the loss must not depend on
+    for ret in (0.01, 0.03):  # near the prediction, where the squares resolve a rounding of the clipped value
+        loss, m = value_loss(pred, old, torch.tensor([[ret]]), torch.ones(1, 1, dtype=torch.bool),
+                             cliprange_value=0.5, global_tokens=1, global_seqs=1)
+        assert m["vf_clipfrac"].item() == 0.0, ret
+        assert loss.item() == 0.5 * ((pred - ret) ** 2).item()
+
+
 def test_value_loss_errors():
     mask = torch.ones(2, 3)
     x = torch.zeros(2, 3)

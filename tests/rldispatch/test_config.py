@@ -291,10 +291,21 @@ def test_critic_section_for_gae():
     assert ec.fsdp.fsdp_size == 1 and cfg.engine_config().fsdp.fsdp_size == -1
 
 
+def test_megatron_critic_has_the_actors_degrees():
+    """On actor.backend=megatron the critic's engine config carries actor.megatron (it joins that parallel state)."""
+    cfg = load_config("ppo_tiny", ["actor.backend=megatron", "actor.megatron.tp=2", "critic.optim.lr=0.01"])
+    ec = cfg.critic_engine_config()
+    assert ec.megatron == cfg.actor.megatron and ec.megatron.tp == 2
+    assert ec.optim.lr == 0.01 and cfg.engine_config().optim.lr != 0.01
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["critic.enabled=false"], "algorithm.adv_estimator=gae needs a critic's values: set critic.enabled=true"),
     (["algorithm.adv_estimator=grpo"], "critic.enabled=true but algorithm.adv_estimator=grpo reads no values"),
-    (["actor.backend=megatron"], "critic.enabled=true with actor.backend=megatron: the critic runs on the FSDP"),
+    (["actor.backend=megatron", "critic.fsdp.fsdp_size=1"],
+     "critic.fsdp.fsdp_size is set but actor.backend=megatron: the Megatron critic runs with the actor's"),
+    (["actor.backend=megatron", "critic.optim.name=sgd"],
+     "critic.optim.name='sgd' with actor.megatron.use_distributed_optimizer=true"),
     (["critic.fsdp.ulysses_sp=2"], "critic.fsdp.ulysses_sp (2) must equal actor.fsdp.ulysses_sp (1)"),
     (["critic.cliprange_value=0"], "critic.cliprange_value must be a finite number > 0"),
     (["critic.warmup_steps=-1"], "critic.warmup_steps must be >= 0"),

@@ -69,6 +69,41 @@ def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
+def test_ppo_on_megatron_tp2_checkpoints_and_resumes_the_critic(torchrun, tmp_path):
+    """ppo_tiny on actor.backend=megatron with TP 2 (the critic in the actor's parallel state), dropped groups
+    replaced by padding samples, invariants on; the critic's checkpoint sits beside the actor's, and a run resumed
+    from step 1 (the critic's warm-up: two AdamW steps of the critic alone) takes the same step 2."""
+    common = ["--config", "ppo_tiny", *SMALL, *_data_args(tmp_path), "trainer.val_freq=0", "actor.backend=megatron",
+              "actor.megatron.tp=2", "debug.inject_rollout_failures=0.3", "critic.warmup_steps=1",
+              "trainer.total_steps=2"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    torchrun(TRAIN, 2, *common, f"trainer.run_dir={full}", "trainer.save_freq=1", "debug.check_invariants=true",
+             timeout=400)
+    records = _metrics(full)
+    assert [r["step"] for r in records] == [1, 2]
+    assert "actor/loss" not in records[0] and "actor/loss" in records[1], "step 1 is the critic's warm-up"
+    assert sum(r["dispatch/padding"] for r in records) > 0, "dropped groups must be replaced by padding samples"
+    for r in records:
+        assert r["critic/seqs"] == r["samples/real"] == r["replay/num_trajectories"], r
+        assert r["critic/optimizer_steps"] == 2.0 and r["store/keys_after_clear"] == 0.0
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm",
+                    "critic/vf_explained_var", "critic/values/mean", "critic/returns/mean"):
+            assert key in r and r[key] == r[key], (key, r)
+    ckpt = full / "checkpoints" / "step_1"
+    assert (ckpt / "engine_state.pt").is_file() and (ckpt / "critic" / "engine_state.pt").is_file()
+
+    torchrun(TRAIN, 2, *common, f"trainer.run_dir={split}", f"trainer.resume={ckpt}", timeout=400)
+    a, b = records[1], _metrics(split)[-1]
+    assert b["step"] == 2
+    for key in ("reward/score/mean", "critic/global_step", "actor/global_step"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "critic/vf_explained_var",
+                "actor/loss", "actor/grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
 def test_megatron_tp2_run_matches_fsdp_single_process(torchrun, tmp_path):
     """Megatron TP=2 (DP=1) and FSDP on one process see the same data and sampling: their runs must agree."""
     args = ["--config", CONFIG, *SMALL, *_data_args(tmp_path), "trainer.total_steps=2", "rollout.agent_loop=tool"]
