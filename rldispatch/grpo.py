@@ -110,6 +110,7 @@ class DistContext:
     rank: int
     world: int
     device: torch.device
+    link: Any = None  # trainer.mode=separate_async: the split world's links to the rollout ranks (rldispatch.separate)
 
     @property
     def is_main(self) -> bool:
@@ -707,7 +708,9 @@ class GRPOTrainer:
         self.gc.step_done(st.step)
 
     def _sync_weights(self, _: KVBatchMeta | None, st: "StepState") -> None:
-        self.rollout.load_weights(self.engine.get_weights(), version=st.step + 1)
+        weights = self.engine.get_weights()
+        self.rollout.load_weights(weights, version=st.step + 1)
+        self.schedule.sync_weights(weights, st.step + 1)
 
     def _finish(self, st: "StepState", seconds: float) -> dict[str, float]:
         m = st.metrics
@@ -1013,6 +1016,10 @@ def run(cfg: RunConfig) -> int:
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()
+    if cfg.trainer.mode == "separate_async":  # the world splits into rollout and training ranks
+        from rldispatch.separate import run_separate
+
+        return run_separate(cfg)
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     try:
