@@ -269,8 +269,5 @@ def build_schedule(trainer: "GRPOTrainer") -> SyncSchedule:
         return SyncSchedule(trainer)
     if mode == "colocate_async":
         return ColocateAsyncSchedule(trainer)
-    if mode == "separate_async":
-        from rldispatch.separate import SeparateAsyncSchedule
-
-        return SeparateAsyncSchedule(trainer)
-    raise ConfigError(f"trainer.mode={mode!r} has no schedule; use sync, colocate_async or separate_async")
+    raise ConfigError(f"trainer.mode={mode!r} has no schedule here; use sync or colocate_async (separate_async's is "
+                      "rldispatch.separate.SeparateAsyncSchedule)")

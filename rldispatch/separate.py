@@ -570,18 +570,3 @@ class SeparateAsyncSchedule(ColocateAsyncSchedule):
         if failures:
             raise RuntimeError("separate_async shutdown: " + "; ".join(failures))
         return 0
-
-
-def run_separate(cfg: RunConfig) -> int:
-    """``trainer.mode=separate_async``: split the world, then train (training ranks) or generate (rollout ranks)."""
-    from rldispatch.grpo import DistContext, GRPOTrainer
-
-    split = split_world(cfg)
-    try:
-        if split.role == "rollout":
-            return RolloutRank(cfg, split).serve()
-        ctx = DistContext(dist.get_rank(), dist.get_world_size(), split.device, link=split)
-        return GRPOTrainer(cfg, ctx).fit()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
