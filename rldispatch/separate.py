@@ -253,7 +253,8 @@ class RolloutRank:
 
     def serve(self) -> int:
         """Run until the trainer says stop; returns the exit code (0)."""
-        heard = time.monotonic()
+        heard = None  # the silence limit starts with the trainer's first message (its start-up and first
+        # validation involve no rollout rank, however long they take)
         try:
             while True:
                 messages = self.mail.poll(0)
@@ -268,7 +269,7 @@ class RolloutRank:
                     self._drive(DRIVE_SLICE_S)
                     self._ship()
                 else:
-                    if time.monotonic() - heard > self.split.timeout_s:
+                    if heard is not None and time.monotonic() - heard > self.split.timeout_s:
                         raise TimeoutError(f"rollout rank {self.split.rank}: nothing to generate and no message "
                                            f"from the trainer for {self.split.timeout_s:.0f}s "
                                            "(trainer.dist_timeout_s)")
