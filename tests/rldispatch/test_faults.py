@@ -117,9 +117,12 @@ def test_stuck_peer_ends_the_job_within_the_timeout(data_args, tmp_path, mode):
     its rank, step and stage (the launch would otherwise wait 30 minutes). In colocate_async rank 0 may be waiting
     in the sample stage's look at the buffer: that is a collective too. In separate_async rank 1 is the rollout
     rank: the training rank (a world of its own, hence "0/1") hears nothing from it for the timeout, or its weight
-    broadcast times out, and shutdown does not wait again for a rank that stopped answering."""
+    broadcast times out, and shutdown does not wait again for a rank that stopped answering. It trains on Megatron,
+    whose parallel_state then lives on the training ranks' world."""
     run_dir = tmp_path / "run"
-    extra = ["trainer.separate_async.parameter_sync_step=2"] if mode == "separate_async" else []
+    # separate_async trains on Megatron here (its e2e test is FSDP's): parallel_state lives on the training sub-world
+    extra = ["trainer.separate_async.parameter_sync_step=2", "actor.backend=megatron"] \
+        if mode == "separate_async" else []
     launch = Launch(_args(data_args, run_dir, "trainer.total_steps=200", f"trainer.mode={mode}", *extra))
     try:
         launch.wait_for("the first step", lambda: len(_records(run_dir)) >= 1, 120)
