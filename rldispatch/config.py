@@ -170,6 +170,13 @@ class ColocateAsyncConfig:
 
 
 @dataclass
+class SeparateAsyncConfig:
+    rollout_ranks: int = 1  # ranks of the torchrun world that only generate (the last ones); the others only train
+    parameter_sync_step: int = 1  # mini-batch updates per global step (one weight sync to the rollout ranks each)
+    num_warmup_batches: int = 1  # batches of prompts submitted ahead of the first step (each step submits one more)
+
+
+@dataclass
 class TrainerSection:
     total_steps: int = 300
     run_dir: str = "runs/grpo_tiny"
@@ -186,9 +193,11 @@ class TrainerSection:
     run_dir_exists: Literal["refuse", "overwrite"] = "refuse"  # a run dir holding another run's metrics/checkpoints
     gc_interval: int = 1  # steps between garbage collections, automatic GC off meanwhile; 0 = Python's automatic GC
     # sync: generate the step's prompts, then train on them; colocate_async: the training ranks also generate, and
-    # generation outlives the step (docs/async.md); separate_async (rollout ranks apart): refused in this version
+    # generation outlives the step; separate_async: rollout ranks generate apart from the training ranks
+    # (docs/async.md)
     mode: Literal["sync", "colocate_async", "separate_async"] = "sync"
     colocate_async: ColocateAsyncConfig = field(default_factory=ColocateAsyncConfig)
+    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
 
 
 @dataclass
@@ -201,6 +210,8 @@ class TraceConfig:
 class DebugConfig:
     check_invariants: bool = False  # run protocol.invariants after every stage (slow; for debugging)
     inject_rollout_failures: float = 0.0  # fraction of prompt groups whose session 0 raises (tests the failure policy)
+    # separate_async: write a checksum of the weights each side holds after every sync to run_dir/weight_sync.jsonl
+    weight_checksums: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inject_rollout_failures <= 1.0:
@@ -350,8 +361,7 @@ def _check_async(cfg: RunConfig) -> None:
     """The schedule, staleness and rollout-correction keys against each other."""
     t, r, rc = cfg.trainer, cfg.rollout, cfg.algorithm.rollout_correction
     if t.mode == "separate_async":
-        raise ConfigError("trainer.mode=separate_async is not available in this version (rollout ranks and a weight "
-                          "transfer group are not implemented); use trainer.mode=colocate_async or sync")
+        _check_separate(cfg)
     if cfg.replay.max_off_policy_threshold < 1:
         raise ConfigError(f"replay.max_off_policy_threshold must be a positive number of global steps, got "
                           f"{cfg.replay.max_off_policy_threshold}")
@@ -371,6 +381,21 @@ def _check_async(cfg: RunConfig) -> None:
         raise ConfigError("algorithm.rollout_correction.rollout_is / rollout_rs compare the recomputed (proximal) "
                           "log-probs with the rollout's; in bypass mode they are the same (every weight 1): set "
                           "rollout.log_prob_mode=recompute or leave rollout_is and rollout_rs null")
+
+
+def _check_separate(cfg: RunConfig) -> None:
+    """trainer.separate_async: rollout ranks, and a global step of parameter_sync_step whole mini-batches."""
+    sa = cfg.trainer.separate_async
+    for key, least in (("rollout_ranks", 1), ("parameter_sync_step", 1), ("num_warmup_batches", 0)):
+        value = getattr(sa, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"trainer.separate_async.{key} must be an integer >= {least}, got {value!r}")
+    mini = cfg.actor.ppo_mini_batch_size
+    if cfg.data.train_batch_size != sa.parameter_sync_step * mini:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must equal "
+                          f"trainer.separate_async.parameter_sync_step={sa.parameter_sync_step} x "
+                          f"actor.ppo_mini_batch_size={mini} (a global step is parameter_sync_step mini-batch "
+                          f"updates, then one weight sync)")
 
 
 def _check_registered(cfg: RunConfig) -> None:

@@ -69,6 +69,7 @@ from rldispatch.ref import build_reference
 from rldispatch.plan import batch_settings, prepare_step_plan
 from rldispatch.rollout import RolloutWorker, VersionedGenerate, run_to_end
 from rldispatch.schedule import build_schedule
+from rldispatch.separate import RolloutRank, SeparateAsyncSchedule, split_world
 from rldispatch.summary import RunSummary
 from protocol.config import to_plain
 from rldispatch.trace import TraceRecorder
@@ -111,6 +112,7 @@ class DistContext:
     rank: int
     world: int
     device: torch.device
+    link: Any = None  # trainer.mode=separate_async: the split world's links to the rollout ranks (rldispatch.separate)
 
     @property
     def is_main(self) -> bool:
@@ -262,7 +264,7 @@ class GRPOTrainer:
         self._resumed_schedule: dict | None = None
         self._maybe_resume()
         self.rollout.load_weights(self.engine.get_weights(), version=self.step)  # version = the step it serves
-        self.schedule = build_schedule(self)
+        self.schedule = SeparateAsyncSchedule(self) if cfg.trainer.mode == "separate_async" else build_schedule(self)
         self.schedule.restore(self._resumed_schedule)
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -686,7 +688,9 @@ class GRPOTrainer:
         self.gc.step_done(st.step)
 
     def _sync_weights(self, _: KVBatchMeta | None, st: StepState) -> None:
-        self.rollout.load_weights(self.engine.get_weights(), version=st.step + 1)
+        weights = self.engine.get_weights()
+        self.rollout.load_weights(weights, version=st.step + 1)
+        self.schedule.sync_weights(weights, st.step + 1)
 
     def _finish(self, st: StepState, seconds: float) -> dict[str, float]:
         m = st.metrics
@@ -992,9 +996,15 @@ def run(cfg: RunConfig) -> int:
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()
-    ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+    if cfg.trainer.mode == "separate_async":  # the world splits: the last ranks generate, the others train
+        split = split_world(cfg)
+        ctx = DistContext(dist.get_rank(), dist.get_world_size(), split.device, link=split)
+    else:
+        split, ctx = None, init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     try:
+        if split is not None and split.role == "rollout":
+            return RolloutRank(cfg, split).serve()
         return GRPOTrainer(cfg, ctx).fit()
     finally:
         if dist.is_initialized():

@@ -82,6 +82,9 @@ class SyncSchedule:
             out["partial/max_partial_span"] = float(max(spans))
         return out
 
+    def sync_weights(self, weights: dict, version: int) -> None:
+        """The step's new weights (version ``version``), already loaded into the trainer's own rollout worker."""
+
     def end(self) -> int:
         """At the end of the run (also after an error); returns the keys left in the store."""
         return 0
@@ -242,8 +245,8 @@ class ColocateAsyncSchedule(SyncSchedule):
         remaining = store.num_keys()
         if remaining:
             raise RuntimeError(f"{remaining} key(s) left in the store after shutdown")
-        logger.info("colocate_async shutdown: %d in-flight task(s) cancelled, %d training key(s) cleared; store "
-                    "empty", len(left), len(known))
+        logger.info("%s shutdown: %d in-flight task(s) cancelled, %d training key(s) cleared; store empty",
+                    self.name, len(left), len(known))
         return remaining
 
 
@@ -265,4 +268,5 @@ def build_schedule(trainer: Any) -> SyncSchedule:
         return SyncSchedule(trainer)
     if mode == "colocate_async":
         return ColocateAsyncSchedule(trainer)
-    raise ConfigError(f"trainer.mode={mode!r} has no schedule in this version; use sync or colocate_async")
+    raise ConfigError(f"trainer.mode={mode!r} has no schedule here; use sync or colocate_async (separate_async's is "
+                      "rldispatch.separate.SeparateAsyncSchedule)")

@@ -5,12 +5,13 @@
 The shipped ``grpo_tiny`` task and model, with an agent loop that gives one prompt in eight a 64-token response
 budget and the others 8 tokens (per prompt, so a GRPO group is all long or all short). Each mode is one
 ``torchrun --nproc_per_node=2`` of this script with the same config, seed and number of steps (every step trains
-``train_batch_size x rollout.n`` trajectories): ``sync`` and ``colocate_async`` (one warm-up batch ahead, partial
-rollout in ``--chunk``-token chunks). The first ``--skip`` steps are left out (start-up). Printed per mode:
-trajectories per second (trained trajectories over the summed step times), the median step time, and each rank
-role's idle share (``timing_s/trainer_idle`` and ``timing_s/rollout_idle`` over the step time), then the ratio to
-sync. ``separate_async`` (rollout ranks apart from training ranks) is not available in this version and is
-reported as such.
+``train_batch_size x rollout.n`` trajectories, in 2 mini-batch updates): ``sync``, ``colocate_async`` (one warm-up
+batch ahead, partial rollout in ``--chunk``-token chunks) and ``separate_async`` (rank 1 generates, rank 0 trains;
+one warm-up batch ahead, ``parameter_sync_step=2``: one weight sync per step, as in the other modes). The first
+``--skip`` steps are left out (start-up). Printed per mode: trajectories per second (trained trajectories over the
+summed step times), the median step time, and each rank role's idle share (``timing_s/trainer_idle`` and
+``timing_s/rollout_idle`` over the step time; in separate_async the first is the training rank's wait for groups,
+the second the rollout rank's time without generation), then the ratio to sync.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ if str(ROOT) not in sys.path:
 MODES = {
     "sync": ("trainer.mode=sync",),
     "colocate_async": ("trainer.mode=colocate_async", "trainer.colocate_async.num_warmup_batches=1"),
+    "separate_async": ("trainer.mode=separate_async", "trainer.separate_async.num_warmup_batches=1",
+                       "trainer.separate_async.parameter_sync_step=2", "trainer.separate_async.rollout_ranks=1"),
 }
 LONG, SHORT, ONE_IN = 64, 8, 8
 
@@ -79,6 +82,9 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the figures")
     ap.add_argument("--chunk", type=int, default=8, help="rollout.partial_rollout_chunk of the async modes")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every mode this many times, interleaved (A B C A B C ...); each figure is the median "
+                         "over rounds, so a load spike on a shared machine distorts one round of one mode only")
     ap.add_argument("--out", type=Path, default=Path("bench_async.json"))
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -88,22 +94,27 @@ def main() -> int:
             f"trainer.total_steps={args.steps}", "rollout.agent_loop=long_tail", f"data.max_response_length={LONG}",
             "data.val_batch_size=4", "data.train_size=256", "data.val_size=8", "trainer.run_dir_exists=overwrite",
             f"rollout.partial_rollout_chunk={args.chunk}"]
-    results: dict[str, Any] = {}
+    rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
     with tempfile.TemporaryDirectory() as tmp:
         data = [f"data.train_files=[{tmp}/data/train.parquet]", f"data.val_files=[{tmp}/data/val.parquet]"]
-        for mode in args.modes:
-            run_dir = Path(tmp) / mode
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                   f"--master_port={29600 + len(results)}", __file__, "--worker", *base, *data, *MODES[mode],
-                   f"trainer.run_dir={run_dir}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-            if proc.returncode != 0:
-                print(proc.stderr[-4000:], file=sys.stderr)
-                return proc.returncode
-            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            results[mode] = _summary(records, args.skip)
-    results["separate_async"] = "not available in this version"
+        for n in range(args.rounds):
+            for i, mode in enumerate(args.modes):
+                run_dir = Path(tmp) / mode
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                       f"--master_port={29600 + n * len(MODES) + i}", __file__, "--worker", *base, *data,
+                       *MODES[mode], f"trainer.run_dir={run_dir}"]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                if proc.returncode != 0:
+                    print(proc.stderr[-4000:], file=sys.stderr)
+                    return proc.returncode
+                records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                rounds[mode].append(_summary(records, args.skip))
+                print(f"round {n + 1} {mode}: {rounds[mode][-1]['trajectories_per_s']:.1f} traj/s", flush=True)
+    results: dict[str, Any] = {mode: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                               for mode, runs in rounds.items()}
+    for mode, runs in rounds.items():
+        results[mode]["rounds_trajectories_per_s"] = [r["trajectories_per_s"] for r in runs]
     sync = results.get("sync")
     print(f"{'mode':16} {'traj/s':>8} {'vs sync':>8} {'step s':>8} {'trainer idle':>13} {'rollout idle':>13} "
           f"{'partial':>8} {'staleness':>9}")
@@ -117,7 +128,8 @@ def main() -> int:
               f"{r['trainer_idle_share']:13.2f} {r['rollout_idle_share']:13.2f} {r['partial_ratio']:8.2f} "
               f"{r['staleness_mean']:9.2f}")
     args.out.write_text(json.dumps({"config": {"steps": args.steps, "skip": args.skip, "chunk": args.chunk,
-                                               "long": LONG, "short": SHORT, "one_in": ONE_IN, "ranks": 2},
+                                               "long": LONG, "short": SHORT, "one_in": ONE_IN, "ranks": 2,
+                                               "rounds": args.rounds},
                                     "results": results}, indent=2))
     return 0
 

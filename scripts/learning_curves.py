@@ -43,6 +43,9 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     # asynchronous training (docs/async.md): one warm-up batch ahead, partial rollout, drop at span > 8
     "fsdp-dp2-colocate_async": ("actor.backend=fsdp", "trainer.mode=colocate_async"),
     "megatron-dp2-colocate_async": ("actor.backend=megatron", "actor.megatron.tp=1", "trainer.mode=colocate_async"),
+    # rank 1 generates, rank 0 trains (FSDP on one rank); a global step is the step's 2 mini-batches
+    "fsdp-separate_async": ("actor.backend=fsdp", "trainer.mode=separate_async",
+                            "trainer.separate_async.parameter_sync_step=2"),
 }
 NPROC = 2
 VAL_KEY = "val/score/mean"

@@ -111,19 +111,26 @@ def _run(args: list[str], timeout: float = 120) -> tuple[int, str]:
         assert launch.close() == [], "a worker outlived the launch"
 
 
-@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
 def test_stuck_peer_ends_the_job_within_the_timeout(data_args, tmp_path, mode):
     """SIGSTOP rank 1 mid-run: rank 0's next collective times out after trainer.dist_timeout_s and the error names
     its rank, step and stage (the launch would otherwise wait 30 minutes). In colocate_async rank 0 may be waiting
-    in the sample stage's look at the buffer: that is a collective too."""
+    in the sample stage's look at the buffer: that is a collective too. In separate_async rank 1 is the rollout
+    rank: the training rank (a world of its own, hence "0/1") hears nothing from it for the timeout, or its weight
+    broadcast times out, and shutdown does not wait again for a rank that stopped answering. It trains on Megatron,
+    whose parallel_state then lives on the training ranks' world."""
     run_dir = tmp_path / "run"
-    launch = Launch(_args(data_args, run_dir, "trainer.total_steps=200", f"trainer.mode={mode}"))
+    # separate_async trains on Megatron here (its e2e test is FSDP's): parallel_state lives on the training sub-world
+    extra = ["trainer.separate_async.parameter_sync_step=2", "actor.backend=megatron"] \
+        if mode == "separate_async" else []
+    launch = Launch(_args(data_args, run_dir, "trainer.total_steps=200", f"trainer.mode={mode}", *extra))
     try:
         launch.wait_for("the first step", lambda: len(_records(run_dir)) >= 1, 120)
         stuck = launch.workers()[1]
         os.kill(stuck, signal.SIGSTOP)
         # bounded by the timeout plus the time to raise and print (no progress is possible without rank 1)
-        launch.wait_for("rank 0's timeout error", lambda: "[rank 0/2] in step" in launch.output(), TIMEOUT_S + 45)
+        where = "[rank 0/1] in step" if mode == "separate_async" else "[rank 0/2] in step"
+        launch.wait_for("rank 0's timeout error", lambda: where in launch.output(), TIMEOUT_S + 45)
         os.kill(stuck, signal.SIGCONT)  # the launcher's SIGTERM reaches a stopped process only once it runs again
         code = launch.wait(60)
     finally:
