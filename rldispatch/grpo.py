@@ -500,7 +500,8 @@ class GRPOTrainer:
         self._stage("clear", st, self._clear, batch)                         # 9. kv_clear of the whole step
         self._stage("weight_sync", st, self._sync_weights, batch)            # 10. new weights to the rollout
         self._stage("gc", st, self._collect_garbage, batch)                  # 11. cyclic garbage (gc_interval)
-        return self._finish(st, time.perf_counter() - t_step)
+        with self._where("metrics", st.step):  # its reductions are collectives too (and a schedule's receives)
+            return self._finish(st, time.perf_counter() - t_step)
 
     def _stage(self, name: str, st: StepState, fn, batch: KVBatchMeta | None) -> KVBatchMeta | None:
         with Timer(name, st.times), self._where(name, st.step):

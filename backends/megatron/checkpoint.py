@@ -141,11 +141,15 @@ def _restore_adam_steps(engine, saved: list[list[float | None]] | None, path: st
     megatron-core's distributed optimizer restores one shared ``step`` tensor for all parameters when it wraps
     torch's Adam, and with the count of the first step rather than the saved one; torch increments it in place
     once per parameter. Either would skew the bias correction of every later step."""
+    if saved is None:
+        raise CheckpointError(f"{path!r} holds no Adam step counts (written before they were saved), so its optimizer "
+                              f"cannot be resumed exactly; export its weights (rldispatch export) and start a new run "
+                              f"from them with model.hf_path")
     states = _step_states(engine)
-    if saved is None or [len(s) for s in saved] != [len(s) for s in states]:
-        raise CheckpointError(f"{path!r}: its per-rank file holds no Adam step counts for this rank's "
-                              f"{[len(s) for s in states]} parameters (found "
-                              f"{None if saved is None else [len(s) for s in saved]})")
+    if [len(s) for s in saved] != [len(s) for s in states]:
+        raise CheckpointError(f"{path!r}: its per-rank file holds Adam step counts for "
+                              f"{[len(s) for s in saved]} parameters, this rank's optimizer has "
+                              f"{[len(s) for s in states]}")
     for group, counts in zip(states, saved):
         for state, count in zip(group, counts):
             if state is not None and torch.is_tensor(state.get("step")):

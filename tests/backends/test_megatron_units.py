@@ -326,3 +326,12 @@ def test_megatron_engine_is_registered():
 
     assert "megatron" in known_engines()
     assert get_engine_class("megatron").__name__ == "MegatronEngine"
+
+
+def test_a_checkpoint_without_adam_step_counts_is_refused_with_what_to_do():
+    """A checkpoint from before the step counts were saved cannot resume the optimizer exactly: named, with the way
+    out (export its weights, start from them)."""
+    from backends.megatron.checkpoint import CheckpointError, _restore_adam_steps
+
+    with pytest.raises(CheckpointError, match=r"'ckpt/step_3' holds no Adam step counts.*model\.hf_path"):
+        _restore_adam_steps(None, None, "ckpt/step_3")
