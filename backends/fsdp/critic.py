@@ -21,9 +21,8 @@ from backends.fsdp.share import ShareView, read_share
 from backends.fsdp.ulysses import gather_seq, pad_to_multiple
 from backends.model.critic import VALUE_HEAD, ValueModel, value_head_weights
 from backends.model.hf import check_hf_config
-from backends.optim import StepSnapshot, all_finite, clip_grad_norm
 from protocol.algos.logprob import response_logit_positions
-from protocol.algos.losses import global_counts, value_loss
+from protocol.algos.losses import value_loss
 from protocol.batch.nested import to_nested
 
 __all__ = ["FSDPCriticEngine", "CRITIC_TRAIN_FIELDS"]
@@ -89,18 +88,7 @@ class FSDPCriticEngine(FSDPEngine):
         vc = self.config.value_loss
         view = read_share(share, train=False, max_tokens=self.config.max_token_len_per_gpu,
                           fields=CRITIC_TRAIN_FIELDS)
-        n = view.n
-        mask_all = pad_sequence([m.bool() for m in view.response_mask], batch_first=True) if n else \
-            torch.zeros(0, 0, dtype=torch.bool)
-        tokens, seqs = global_counts(mask_all, view.is_padding)
-        n_mb = len(share.micro_batches)
-        g_tokens, g_seqs, s_mb, s_mb2 = allreduce_counts([tokens, seqs, n_mb, n_mb * n_mb], self._dp_group,
-                                                      self.device)
-        if s_mb2 * self._dp_size != s_mb * s_mb:
-            raise ValueError(f"every DP rank must run the same number of micro-batches; DP rank {self._dp_rank} has "
-                             f"{n_mb}, the mean over {self._dp_size} ranks is {s_mb / self._dp_size:g}")
-        if n_mb == 0:
-            raise ValueError("train_batch got a share with no micro-batches; every DP rank needs at least one")
+        g_tokens, g_seqs, n_mb = self._step_counts(view, share)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # vf_loss, vf_clipfrac, vpred_mean
@@ -120,21 +108,7 @@ class FSDPCriticEngine(FSDPEngine):
             sums += torch.stack([x.detach().to(self.device, torch.float64).reshape(())
                                  for x in (loss, m["vf_clipfrac"], m["vpred_mean"])])
         self.model.set_requires_gradient_sync(True)
-        grad_norm, finite = clip_grad_norm(self.model.parameters(), self.config.optim.clip_grad)
-        lr = self.lr_scheduler.get_last_lr()[0]
-        nonfinite = False
-        if finite:
-            before = StepSnapshot(self.model.parameters(), [self.optimizer]) if self.config.rollback_nonfinite \
-                else None
-            self.optimizer.step()
-            nonfinite = not all_finite(self.model.parameters(), device=self.device)
-            if nonfinite and before is not None:
-                before.restore()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            nonfinite = True
-        self.lr_scheduler.step()
-        self.global_step += 1
+        grad_norm, lr, finite, nonfinite = self._apply_gradients()
         tot = allreduce_counts(sums.tolist(), self._dp_group, self.device)
         return {
             "vf_loss": tot[0], "vf_clipfrac": tot[1], "vpred_mean": tot[2], "grad_norm": grad_norm, "lr": lr,

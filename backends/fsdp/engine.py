@@ -201,6 +201,43 @@ class FSDPEngine(Engine):
         return pad_sequence([r.to(dtype) for r in rows], batch_first=True).to(self.device, non_blocking=True)
 
     # ---- train -----------------------------------------------------------------------------------------------
+    def _step_counts(self, view: ShareView, share: Share) -> tuple[float, float, int]:
+        """The optimizer step's real token and sequence counts over every DP replica (what a loss is normalised by),
+        all-reduced once before the first backward, and this rank's micro-batch count, checked equal on every rank."""
+        mask_all = pad_sequence([m.bool() for m in view.response_mask], batch_first=True) if view.n else \
+            torch.zeros(0, 0, dtype=torch.bool)
+        tokens, seqs = global_counts(mask_all, view.is_padding)
+        n_mb = len(share.micro_batches)
+        g_tokens, g_seqs, s_mb, s_mb2 = allreduce_counts([tokens, seqs, n_mb, n_mb * n_mb], self._dp_group,
+                                                      self.device)
+        if s_mb2 * self._dp_size != s_mb * s_mb:
+            raise ValueError(f"every DP rank must run the same number of micro-batches; DP rank {self._dp_rank} has "
+                             f"{n_mb}, the mean over {self._dp_size} ranks is {s_mb / self._dp_size:g}")
+        if n_mb == 0:
+            raise ValueError("train_batch got a share with no micro-batches; every DP rank needs at least one")
+        return g_tokens, g_seqs, n_mb
+
+    def _apply_gradients(self) -> tuple[float, float, bool, bool]:
+        """Clip and step the trainable parameters, then advance the schedule; returns (grad_norm, lr, finite,
+        nonfinite). A non-finite gradient norm skips the step; a step that makes a weight non-finite is rolled back
+        with ``rollback_nonfinite``."""
+        grad_norm, finite = clip_grad_norm(self.trainable, self.config.optim.clip_grad)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        nonfinite = False
+        if finite:
+            before = StepSnapshot(self.trainable, [self.optimizer]) if self.config.rollback_nonfinite else None
+            self.optimizer.step()
+            # a finite gradient can still make a non-finite weight (a huge lr, an update overflowing the dtype)
+            nonfinite = not all_finite(self.trainable, device=self.device)
+            if nonfinite and before is not None:
+                before.restore()
+        else:  # a non-finite gradient norm: keep the parameters and the optimizer state, report the skip
+            self.optimizer.zero_grad(set_to_none=True)
+            nonfinite = True
+        self.lr_scheduler.step()
+        self.global_step += 1
+        return grad_norm, lr, finite, nonfinite
+
     def train_batch(self, share: Share) -> dict[str, float]:
         """One optimizer step on this replica's share; metrics are global (identical on every rank)."""
         t0 = time.perf_counter()
@@ -209,19 +246,7 @@ class FSDPEngine(Engine):
                           max_tokens=self.config.max_token_len_per_gpu)
         temperature = float(getattr(lc, "temperature", 1.0))
         horizon = getattr(lc, "horizon", None)
-        n = view.n
-        mask_all = pad_sequence([m.bool() for m in view.response_mask], batch_first=True) if n else \
-            torch.zeros(0, 0, dtype=torch.bool)
-        tokens, seqs = global_counts(mask_all, view.is_padding)
-        n_mb = len(share.micro_batches)
-        # The step's global counts, all-reduced once before the first backward (plus a micro-batch count check).
-        g_tokens, g_seqs, s_mb, s_mb2 = allreduce_counts([tokens, seqs, n_mb, n_mb * n_mb], self._dp_group,
-                                                      self.device)
-        if s_mb2 * self._dp_size != s_mb * s_mb:
-            raise ValueError(f"every DP rank must run the same number of micro-batches; DP rank {self._dp_rank} has "
-                             f"{n_mb}, the mean over {self._dp_size} ranks is {s_mb / self._dp_size:g}")
-        if n_mb == 0:
-            raise ValueError("train_batch got a share with no micro-batches; every DP rank needs at least one")
+        g_tokens, g_seqs, n_mb = self._step_counts(view, share)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         want_ent = lc.entropy_coeff != 0
@@ -256,21 +281,7 @@ class FSDPEngine(Engine):
             sums += torch.stack([x.detach().to(self.device, torch.float64).reshape(())
                                  for x in (loss, pg, m["clipfrac"], m["approx_kl"], ent_share, kl)])
         self.model.set_requires_gradient_sync(True)
-        grad_norm, finite = clip_grad_norm(self.trainable, self.config.optim.clip_grad)
-        lr = self.lr_scheduler.get_last_lr()[0]
-        nonfinite = False
-        if finite:
-            before = StepSnapshot(self.trainable, [self.optimizer]) if self.config.rollback_nonfinite else None
-            self.optimizer.step()
-            # a finite gradient can still make a non-finite weight (a huge lr, an update overflowing the dtype)
-            nonfinite = not all_finite(self.trainable, device=self.device)
-            if nonfinite and before is not None:
-                before.restore()
-        else:  # a non-finite gradient norm: keep the parameters and the optimizer state, report the skip
-            self.optimizer.zero_grad(set_to_none=True)
-            nonfinite = True
-        self.lr_scheduler.step()
-        self.global_step += 1
+        grad_norm, lr, finite, nonfinite = self._apply_gradients()
         tot = allreduce_counts(sums.tolist(), self._dp_group, self.device)
         return {
             "loss": tot[0], "pg_loss": tot[1], "pg_clipfrac": tot[2], "ppo_kl": tot[3], "entropy": tot[4],

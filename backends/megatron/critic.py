@@ -10,11 +10,8 @@ the actor's logical DP); its optimizer, LR schedule and checkpoints are its own.
 from __future__ import annotations
 
 import dataclasses
-import time
-from functools import partial
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 
 from backends.base import Share
@@ -23,7 +20,6 @@ from backends.megatron.convert import from_megatron_shards, to_megatron_shard
 from backends.megatron.engine import MegatronEngine
 from backends.megatron.model import build_model_chunks
 from backends.model.critic import VALUE_HEAD, value_head_weights
-from backends.optim import lr_factor
 from protocol.algos.losses import value_loss
 from protocol.batch.nested import to_nested
 
@@ -169,33 +165,9 @@ class MegatronCriticEngine(MegatronEngine):
 
     def train_batch(self, share: Share) -> dict[str, float]:
         """One optimizer step of the value loss on this replica's share; metrics are global (same on every rank)."""
-        t0 = time.perf_counter()
-        mbs = self._micro_batches(share, _TRAIN_FIELDS)
-        counts = self._global_counts(mbs)
-        for c in self.chunks:
-            c.train()
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        store = self._run_schedule(mbs, partial(_call_value_loss, self, counts), forward_only=False)
-        lr = self.config.optim.lr * lr_factor(self.step, self.config.optim)
-        for opt in self._sub_optimizers:
-            for g in opt.param_groups:
-                g["lr"] = lr
-        grad_norm, skipped, nonfinite = self._optimizer_step()
-        self.step += 1
-        local = torch.zeros(3, dtype=torch.float64)
-        if self.is_reporting_rank:
-            for out in store:
-                local += out["metrics"].double()
-        local = local.to(self.device)
-        dist.all_reduce(local)  # reporting ranks hold one replica each: the sum is the step's value
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        vf_loss, clipfrac, vpred = local.tolist()
-        return {"vf_loss": vf_loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred, "grad_norm": float(grad_norm),
-                "lr": lr, "tokens": counts[0], "seqs": counts[1], "skipped": float(skipped),
-                "nonfinite": float(nonfinite), "micro_batches": float(len(mbs)), "time": float(elapsed),
-                "global_step": float(self.step)}
+        sums, common = self._train_step(share, _TRAIN_FIELDS, _call_value_loss, 3)
+        vf_loss, clipfrac, vpred = sums.tolist()
+        return {"vf_loss": vf_loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred, **common}
 
 
 def _call_value_loss(engine: MegatronCriticEngine, counts, mb: MicroBatch, out: torch.Tensor):

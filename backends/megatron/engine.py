@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -508,38 +508,42 @@ class MegatronEngine(Engine):
         return loss, torch.tensor(1, dtype=torch.int), {"metrics": metrics}
 
     def train_batch(self, share: Share) -> dict[str, float]:
-        t0 = time.perf_counter()
         fields = _TRAIN_FIELDS + (("ref_log_prob",) if self.config.loss.use_kl_loss else ()) \
             + (("rollout_is_weights",) if "rollout_is_weights" in share.data.keys() else ())
+        sums, common = self._train_step(share, fields, _call_loss, 6)
+        names = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
+        return {**{k: float(v) for k, v in zip(names, sums.tolist())}, **common}
+
+    def _train_step(self, share: Share, fields: tuple[str, ...], loss_call, n_sums: int
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One optimizer step over the share's micro-batches, ``loss_call(engine, counts, ...)`` as the schedule's
+        loss; returns the step's ``n_sums`` metric sums (each replica's reporting rank adds its own) and the fields
+        every engine reports (grad norm, lr, counts, skip flags, time, step)."""
+        t0 = time.perf_counter()
         mbs = self._micro_batches(share, fields)
         counts = self._global_counts(mbs)
         for c in self.chunks:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = self._run_schedule(mbs, partial(_call_loss, self, counts), forward_only=False)
+        store = self._run_schedule(mbs, partial(loss_call, self, counts), forward_only=False)
         lr = self.config.optim.lr * lr_factor(self.step, self.config.optim)
         for opt in self._sub_optimizers:
             for g in opt.param_groups:
                 g["lr"] = lr
         grad_norm, skipped, nonfinite = self._optimizer_step()
         self.step += 1
-
-        local = torch.zeros(6, dtype=torch.float64)
+        local = torch.zeros(n_sums, dtype=torch.float64)
         if self.is_reporting_rank:
             for out in store:
                 local += out["metrics"].double()
         local = local.to(self.device)
         dist.all_reduce(local)  # reporting ranks hold one replica each: the sum is the step's value
-        names = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
-        metrics = {k: float(v) for k, v in zip(names, local.tolist())}
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        metrics.update(grad_norm=float(grad_norm), lr=lr, tokens=counts[0], seqs=counts[1],
-                       skipped=float(skipped), nonfinite=float(nonfinite), micro_batches=float(len(mbs)),
-                       time=float(elapsed),
-                       global_step=float(self.step))
-        return metrics
+        return local, {"grad_norm": float(grad_norm), "lr": lr, "tokens": counts[0], "seqs": counts[1],
+                       "skipped": float(skipped), "nonfinite": float(nonfinite), "micro_batches": float(len(mbs)),
+                       "time": float(elapsed), "global_step": float(self.step)}
 
     @torch.no_grad()
     def _optimizer_step(self) -> tuple[float, bool, bool]:
