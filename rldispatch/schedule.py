@@ -138,19 +138,24 @@ class ColocateAsyncSchedule(SyncSchedule):
         self._resubmit = [int(p) for p in state["outstanding"]]
 
     # ---- submission -------------------------------------------------------------------------------------------
-    def _submit(self, count: int, step: int, seed_batch: int | None, numbers: list[int] | None = None
-                ) -> tuple[list[dict], list[str]]:
-        t = self.t
+    def _take_prompts(self, count: int, numbers: list[int] | None) -> tuple[list[dict], list[str]]:
+        """The stream's next ``count`` prompts (or the prompts ``numbers``), recorded as outstanding."""
         if numbers is None:
             numbers = list(range(self.cursor, self.cursor + count))
             self.cursor += count
         rows, uids = [], []
         for start, run in _runs(numbers):
-            r, u = t._prompts_at(start, run)
+            r, u = self.t._prompts_at(start, run)
             rows += r
             uids += u
         self.rows.update(zip(uids, rows))
         self.numbers.update(zip(uids, numbers))
+        return rows, uids
+
+    def _submit(self, count: int, step: int, seed_batch: int | None, numbers: list[int] | None = None
+                ) -> tuple[list[dict], list[str]]:
+        t = self.t
+        rows, uids = self._take_prompts(count, numbers)
         mine = t._my_prompts(len(rows))
         if mine:  # pending tags at once, so the buffer counts them in flight before their sessions start
             register_prompts(t.store, [uids[i] for i in mine], step, TRAIN)

@@ -400,18 +400,7 @@ class SeparateAsyncSchedule(ColocateAsyncSchedule):
     def _submit(self, count: int, step: int, seed_batch: int | None, numbers: list[int] | None = None
                 ) -> tuple[list[dict], list[str]]:
         t = self.t
-        if numbers is None:
-            numbers = list(range(self.cursor, self.cursor + count))
-            self.cursor += count
-        from rldispatch.schedule import _runs
-
-        rows, uids = [], []
-        for start, run in _runs(numbers):
-            r, u = t._prompts_at(start, run)
-            rows += r
-            uids += u
-        self.rows.update(zip(uids, rows))
-        self.numbers.update(zip(uids, numbers))
+        rows, uids = self._take_prompts(count, numbers)
         if self.main and uids:
             register_prompts(t.store, uids, step, TRAIN)
             frac = t.cfg.debug.inject_rollout_failures
