@@ -131,16 +131,12 @@ class MegatronCriticEngine(MegatronEngine):
         if with_entropy:
             raise ValueError("a critic has no entropy: call infer_batch with with_entropy=False")
         mbs = self._micro_batches(share, ())
-        for c in self.chunks:
-            c.eval()
 
         def loss_func(mb: MicroBatch, out: torch.Tensor):
             return out.new_zeros(()), torch.tensor(0, dtype=torch.int), {"values": self._values(out, mb).cpu()}
 
-        store = self._run_schedule(mbs, loss_func, forward_only=True)
-        for c in self.chunks:
-            c.train()
-        if not self.is_reporting_rank:
+        store = self._forward_only(mbs, loss_func)
+        if store is None:
             return None
         n = share.data.batch_size[0]
         rows: list = [None] * n

@@ -423,11 +423,19 @@ class MegatronEngine(Engine):
             forward_only=forward_only,
         )
 
+    def _forward_only(self, mbs: list[MicroBatch], loss_func) -> list | None:
+        """The schedule run forward only, in eval mode; each micro-batch's outputs on the replica's reporting rank,
+        None elsewhere."""
+        for c in self.chunks:
+            c.eval()
+        store = self._run_schedule(mbs, loss_func, forward_only=True)
+        for c in self.chunks:
+            c.train()
+        return store if self.is_reporting_rank else None
+
     @torch.no_grad()
     def infer_batch(self, share: Share, *, temperature: float = 1.0, with_entropy: bool = False) -> TensorDict | None:
         mbs = self._micro_batches(share, ())
-        for c in self.chunks:
-            c.eval()
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             logp, ent = self._token_outputs(logits, mb, temperature, with_entropy)
@@ -436,10 +444,8 @@ class MegatronEngine(Engine):
                 out["entropy"] = ent.float().cpu()
             return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), out
 
-        store = self._run_schedule(mbs, loss_func, forward_only=True)
-        for c in self.chunks:
-            c.train()
-        if not self.is_reporting_rank:
+        store = self._forward_only(mbs, loss_func)
+        if store is None:
             return None
         n = share.data.batch_size[0]
         per_sample: dict[str, list] = {"log_probs": [None] * n}
