@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+from protocol.algos.scorers.math_reward import closing_brace
 from protocol.algos.scorers.registry import register_scorer
 
 __all__ = [
@@ -78,15 +79,8 @@ def last_boxed(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len("\\boxed{"):i]
-    return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start + len("\\boxed{"):end]
 
 
 def compute_score(solution_str: str, ground_truth: Any, strict_box_verify: bool = False) -> dict[str, Any]:

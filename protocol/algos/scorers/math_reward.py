@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from protocol.algos.scorers.registry import register_scorer
 
 __all__ = [
-    "MATH_SOURCES", "last_boxed_only_string", "remove_boxed", "strip_string", "is_equiv", "compute_score",
+    "MATH_SOURCES", "last_boxed_only_string", "closing_brace", "remove_boxed", "strip_string", "is_equiv", "compute_score",
     "math_score",
 ]
 
@@ -36,6 +36,12 @@ def last_boxed_only_string(text: str) -> str | None:
         start = text.rfind("\\fbox")
         if start < 0:
             return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start:end + 1]
+
+
+def closing_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` that closes the first ``{`` at or after ``start`` (braces counted), or None if unclosed."""
     depth = 0
     for i in range(start, len(text)):
         if text[i] == "{":
@@ -43,7 +49,7 @@ def last_boxed_only_string(text: str) -> str | None:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[start:i + 1]
+                return i
     return None
 
 
