@@ -16,8 +16,8 @@ from typing import Any, Mapping
 from protocol.algos.scorers.registry import register_scorer
 
 __all__ = [
-    "MATH_SOURCES", "last_boxed_only_string", "closing_brace", "remove_boxed", "strip_string", "is_equiv", "compute_score",
-    "math_score",
+    "MATH_SOURCES", "last_boxed_only_string", "closing_brace", "remove_boxed", "strip_string", "is_equiv",
+    "compute_score", "math_score",
 ]
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
