@@ -879,6 +879,11 @@ class GRPOTrainer:
         self.store.kv_clear(uids, VAL)
         return {k: v for k, v in stats.items() if k.endswith("/mean") or k.endswith("/std")}
 
+    def _timed_validate(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        out = self.validate()
+        return {**out, "timing_s/val": time.perf_counter() - t0}
+
     # ------------------------------------------------------------------------------------------------ loop
     def fit(self) -> int:
         """Train to ``trainer.total_steps`` (or to the step boundary after SIGTERM/SIGINT); returns the exit code."""
@@ -894,10 +899,10 @@ class GRPOTrainer:
         if self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_plain(cfg), indent=2))
-        started = time.perf_counter()
+        started = self._started = time.perf_counter()
         self.summary = RunSummary(start_step=self.step)
         with self._where("validate", self.step):
-            pending_val = self.validate() if self.step == 0 else {}
+            pending_val = self._timed_validate() if self.step == 0 else {}
         self.summary.record(self.step, pending_val)
         self.gc.start()
         try:
@@ -924,8 +929,9 @@ class GRPOTrainer:
             last = self.step == cfg.trainer.total_steps
             if cfg.trainer.val_freq and self.step % cfg.trainer.val_freq == 0 or last:
                 with self._where("validate", self.step):
-                    metrics.update(self.validate())
+                    metrics.update(self._timed_validate())
                 self.summary.record(self.step, metrics)
+            metrics["progress/elapsed_s"] = time.perf_counter() - self._started
             self.metrics.log(self.step, metrics)
             signum = self._signal_seen()
             if (cfg.trainer.save_freq and self.step % cfg.trainer.save_freq == 0) or last or \

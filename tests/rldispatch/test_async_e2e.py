@@ -57,15 +57,23 @@ def test_colocate_async_off_policy_on_two_megatron_ranks(torchrun, tmp_path):
     """A warm-up batch ahead, partial rollout in 2-token chunks, drop at span > 2, token IS weights and token
     rejection, Megatron DP=2:
     every step trains whole groups within the threshold, the tags and the correction metrics say how far
-    off-policy they are, and the run exits with an empty store (shutdown raises otherwise)."""
-    run_dir = tmp_path / "run"
-    torchrun(TRAIN, 2, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
-             "trainer.total_steps=4", "trainer.val_freq=0", "actor.backend=megatron", "trainer.mode=colocate_async",
-             "trainer.colocate_async.num_warmup_batches=1", "replay.max_off_policy_threshold=2",
-             "rollout.partial_rollout_chunk=2", "data.max_response_length=12",
-             "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
-             "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", timeout=400)
+    off-policy they are, and the run exits with an empty store (shutdown raises otherwise). FSDP DP=2 with the same
+    settings trains the same trajectories to the same metrics: the asynchronous path is backend-independent."""
+    run_dir, fsdp_dir = tmp_path / "run", tmp_path / "fsdp"
+    args = ["--config", CONFIG, *SMALL, *_data_args(tmp_path), "trainer.total_steps=4", "trainer.val_freq=0",
+            "trainer.mode=colocate_async", "trainer.colocate_async.num_warmup_batches=1",
+            "replay.max_off_policy_threshold=2", "rollout.partial_rollout_chunk=2", "data.max_response_length=12",
+            "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"]
+    torchrun(TRAIN, 2, *args, f"trainer.run_dir={run_dir}", "actor.backend=megatron", timeout=400)
+    torchrun(TRAIN, 2, *args, f"trainer.run_dir={fsdp_dir}", "actor.backend=fsdp", timeout=400)
     records = _metrics(run_dir)
+    for rm, rf in zip(records, _metrics(fsdp_dir), strict=True):
+        for key in ("reward/score/mean", "response_length/mean", "off_policy/span/max", "partial/partial_ratio"):
+            assert rm[key] == rf[key], (rm["step"], key, rm[key], rf[key])
+        for key in ("actor/loss", "actor/grad_norm", "actor/entropy", "rollout_corr/rollout_is_mean",
+                    "rollout_corr/kl"):
+            assert rm[key] == pytest.approx(rf[key], rel=1e-4, abs=1e-6), (rm["step"], key, rm[key], rf[key])
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert r["replay/num_groups"] == 16 and r["samples/real"] == r["replay/num_trajectories"] == r["actor/seqs"]

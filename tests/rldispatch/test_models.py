@@ -195,7 +195,25 @@ def test_shipped_smollm2_config_trains_a_converted_folder_on_two_ranks(torchrun,
              timeout=400)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     last = records[-1]
-    assert last["step"] == 1 and last["samples/real"] == 64 and last["actor/optimizer_steps"] == 1
+    from rldispatch.config import load_config
+
+    shipped = load_config("grpo_smollm2", [])
+    assert shipped.actor.lora.rank > 0  # the recipe trains adapters
+    assert last["step"] == 1 and last["actor/optimizer_steps"] == 1
+    assert last["samples/real"] == shipped.data.train_batch_size * shipped.rollout.n
     assert "ref" not in {k.split("/")[1] for k in last if k.startswith("timing_s/")}
     assert 0 <= last["reward/score/mean"] <= 1 and "val/score/mean" in records[0]
     assert last["perf/rank_time/update/straggler_ratio"] >= 1.0
+    # the run's adapters merged into a Hugging Face folder, scored again by transformers' generate on the same
+    # validation prompts: the same accuracy as the run's last validation
+    from rldispatch.commands.export import main as export_main
+
+    assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "exported")]) == 0
+    spec = importlib.util.spec_from_file_location("_rescore_hf", train.parent / "rescore_hf.py")
+    rescore = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rescore)
+    assert rescore.main(["--run", str(run), "--model", str(tmp_path / "exported"),
+                         "--out", str(tmp_path / "rescore.json")]) == 0
+    result = json.loads((tmp_path / "rescore.json").read_text())
+    assert result["prompts"] == 4 and result["run_step"] == 1
+    assert result["transformers_val"] == result["run_val"] == last["val/score/mean"]

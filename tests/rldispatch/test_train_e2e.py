@@ -61,6 +61,11 @@ def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
     assert sum(r["dispatch/padding"] for r in records) > 0, "dropped groups must be replaced by padding samples"
     assert all(r["dataplane/bytes_received/rank0"] > 0 and r["dataplane/bytes_received/rank1"] > 0 for r in records)
     assert "val/score/mean" in records[0] and "val/score/mean" in records[-1]
+    # wall time since training began (validations included), so curves can be drawn against the clock
+    elapsed = [r["progress/elapsed_s"] for r in records]
+    assert all(b > a for a, b in zip(elapsed, elapsed[1:])), elapsed
+    assert elapsed[0] >= records[0]["timing_s/step"] + records[0]["timing_s/val"], records[0]
+    assert [("timing_s/val" in r) for r in records] == [True, False, True], "validated before step 1 and at the end"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_3"
     traces = list(run_dir.glob("trace.rank*.jsonl"))
     stages = {json.loads(line)["stage"] for p in traces for line in p.read_text().splitlines()}
