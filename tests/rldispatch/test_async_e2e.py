@@ -15,7 +15,7 @@ CONFIG = str(REPO / "configs" / "grpo_tiny.yaml")
 SMALL = ["trainer.progress_bar=false", "trainer.tensorboard=false", "data.val_batch_size=4", "data.train_size=64",
          "data.val_size=8"]
 #: what differs between two identical runs: wall-clock times and what derives from them
-CLOCKED = ("timing_s/", "perf/", "replay/wait_s", "actor/time", "async/")
+CLOCKED = ("timing_s/", "perf/", "progress/", "replay/wait_s", "actor/time", "async/")
 
 
 def _metrics(run_dir: Path) -> list[dict]:
