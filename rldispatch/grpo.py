@@ -899,7 +899,7 @@ class GRPOTrainer:
         if self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_plain(cfg), indent=2))
-        started = self._started = time.perf_counter()
+        self._started = time.perf_counter()
         self.summary = RunSummary(start_step=self.step)
         with self._where("validate", self.step):
             pending_val = self._timed_validate() if self.step == 0 else {}
@@ -915,8 +915,8 @@ class GRPOTrainer:
             finally:
                 self.loop.close()
         if self.ctx.is_main:
-            print(self.summary.text(self.step, cfg.trainer.total_steps, time.perf_counter() - started, self.run_dir,
-                                    self.metrics.path, code), flush=True)
+            print(self.summary.text(self.step, cfg.trainer.total_steps, time.perf_counter() - self._started,
+                                    self.run_dir, self.metrics.path, code), flush=True)
         return code
 
     def _loop(self, pending_val: dict[str, float], bar: Any) -> int:

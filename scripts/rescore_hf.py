@@ -60,13 +60,11 @@ def main(argv: list[str] | None = None) -> int:
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                  max_new_tokens=data["max_response_length"], eos_token_id=stops,
                                  pad_token_id=tok.pad_token_id)
-        ids = out[0, prompt.shape[1]:].tolist()
-        for i, t in enumerate(ids):  # generate pads finished rows; keep up to the first stop token
-            if t in tok.stop_token_ids:
-                ids = ids[:i + 1]
-                break
+        ids = out[0, prompt.shape[1]:].tolist()  # one row: it ends at its first stop token, no padding
         text = decode_response(tok, ids, stop_ids=tok.stop_token_ids)
-        score = float(default_compute_score(row["data_source"], text, ground_truth_of(row), row.get("extra_info")))
+        # the validation scorer: the built-in rule (training-only shaping never applies), math-verify as configured
+        score = float(default_compute_score(row["data_source"], text, ground_truth_of(row), row.get("extra_info"),
+                                            use_math_verify=bool(config["reward"]["math_verify"])))
         records.append({"score": score, "response_tokens": len(ids), "response": text})
     hf = sum(r["score"] for r in records) / len(records)
     step, run_val = last_val(args.run)
