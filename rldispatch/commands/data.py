@@ -2,6 +2,7 @@
 
     rldispatch data --task repeat --out-dir data/repeat --train 2048 --val 64 --seed 0
     rldispatch data --task arithmetic --out-dir data/arithmetic   # GSM8K-style rows, data_source openai/gsm8k
+    rldispatch data --task arithmetic --steps 1 --out-dir data/arithmetic_1step   # one-step problems
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="weight of the length term in the score (default: the task's, 0.5)")
     ap.add_argument("--max-operand", type=int, default=None,
                     help="arithmetic: the largest number in a problem (default: the task's, 12)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="arithmetic: operations per problem, 1 (a training curriculum) or 2 (default)")
     args = ap.parse_args(argv)
     params = {k: v for k, v in (("alphabet", args.alphabet), ("min_len", args.min_len), ("max_len", args.max_len),
-                                ("length_weight", args.length_weight), ("max_operand", args.max_operand))
+                                ("length_weight", args.length_weight), ("max_operand", args.max_operand),
+                                ("steps", args.steps))
               if v is not None}
     try:
         paths = write_task_data(args.out_dir, args.task, args.train, args.val, args.seed, **params)

@@ -180,11 +180,14 @@ def test_write_task_data_parquet(tmp_path):
 # ------------------------------------------------------------------------------------------------ arithmetic
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+FIRST_THREE_ANSWERS = ["11", "6", "9"]  # make_rows("arithmetic", 3, seed=0) before the steps option existed
 
 
-def test_arithmetic_rows_are_the_reference_gsm8k_format():
-    rows = make_rows("arithmetic", 200, seed=0)
-    assert rows == make_rows("arithmetic", 200, seed=0) and rows != make_rows("arithmetic", 200, seed=1)
+@pytest.mark.parametrize("steps", [1, 2])
+def test_arithmetic_rows_are_the_reference_gsm8k_format(steps):
+    rows = make_rows("arithmetic", 200, seed=0, steps=steps)
+    assert rows == make_rows("arithmetic", 200, seed=0, steps=steps)
+    assert rows != make_rows("arithmetic", 200, seed=1, steps=steps)
     tok = CharTokenizer()
     for i, row in enumerate(rows):
         assert list(row) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
@@ -195,18 +198,20 @@ def test_arithmetic_rows_are_the_reference_gsm8k_format():
         truth = row["reward_model"]["ground_truth"]
         assert row["reward_model"]["style"] == "rule" and truth.isdigit()
         # the worked solution ends in "#### <answer>" and its steps compute the answer
-        *steps, last = extra["answer"].split("\n")
-        assert last == f"#### {truth}"
-        for step in steps:
-            lhs, rhs = step.split(" = ")
+        *lines, last = extra["answer"].split("\n")
+        assert last == f"#### {truth}" and len(lines) == steps
+        for line in lines:
+            lhs, rhs = line.split(" = ")
             assert eval(lhs.replace("/", "//")) == int(rhs)  # noqa: S307 (generated integer arithmetic)
-        assert steps[-1].endswith(f"= {truth}")
+            assert int(rhs) >= 0
+        assert lines[-1].endswith(f"= {truth}")
         # the strict GSM8K scorer marks the solution right and near misses wrong
         assert default_compute_score("openai/gsm8k", extra["answer"], truth, extra) == 1.0
         assert default_compute_score("openai/gsm8k", f"#### {int(truth) + 1}", truth) == 0.0
         assert default_compute_score("openai/gsm8k", f"####{truth}", truth) == 0.0
         assert tok.unk_token_id not in tok.apply_chat_template(row["prompt"])
     assert len({r["extra_info"]["question"] for r in rows}) > 190  # varied problems
+    assert {line.split(" ")[1] for r in rows for line in r["extra_info"]["answer"].split("\n")[:-1]} == set("+-*/")
 
 
 def test_arithmetic_parquet_loads_and_checks(tmp_path):
@@ -226,6 +231,15 @@ def test_arithmetic_parquet_loads_and_checks(tmp_path):
                                         task.sample(random.Random(7)).params["solution"])]
     with pytest.raises(TaskError, match="max_operand"):
         get_task("arithmetic", max_operand=1)
+    with pytest.raises(TaskError, match="steps must be 1 or 2"):
+        get_task("arithmetic", steps=3)
+
+
+def test_arithmetic_two_step_rows_are_unchanged_by_the_steps_option():
+    """The shipped two-step files (and every run's val set) stay what they were before one-step problems existed."""
+    rows = make_rows("arithmetic", 3, seed=0)
+    assert rows == make_rows("arithmetic", 3, seed=0, steps=2)
+    assert [r["reward_model"]["ground_truth"] for r in rows] == FIRST_THREE_ANSWERS
 
 
 def test_a_task_registers_its_scorer_and_a_scorer_name_is_refused():
@@ -237,3 +251,16 @@ def test_a_task_registers_its_scorer_and_a_scorer_name_is_refused():
         register_task("math_dapo")(ReverseTask)
     assert "math_dapo" not in known_tasks()  # refused whole: no task without its scorer
     assert ReverseTask.name == "reverse"  # and the class keeps its own data_source
+
+
+def test_data_command_writes_one_step_arithmetic_and_refuses_other_step_counts(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from rldispatch.commands.data import main
+
+    assert main(["--task", "arithmetic", "--steps", "1", "--out-dir", str(tmp_path), "--train", "8", "--val", "2"]) == 0
+    rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    assert rows == make_rows("arithmetic", 8, seed=0, steps=1)
+    assert all(len(r["extra_info"]["answer"].split("\n")) == 2 for r in rows)  # one step, then "#### <n>"
+    assert main(["--task", "arithmetic", "--steps", "3", "--out-dir", str(tmp_path / "x")]) == 2
+    assert "steps must be 1 or 2, got 3" in capsys.readouterr().err

@@ -31,44 +31,73 @@ _ITEMS = ("apples", "pens", "cards", "shells", "stamps", "marbles")
 @dataclass
 class ArithmeticTask(Task):
     """Two-step problems (add then subtract, multiply then add or subtract, add then share) on numbers up to
-    ``max_operand``; every answer is a non-negative integer."""
+    ``max_operand``; every answer is a non-negative integer. ``steps=1`` writes one-step problems of the same four
+    operations (add, subtract, multiply, share), a training curriculum for a model that cannot yet do two."""
 
     max_operand: int = 12
+    steps: int = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.max_operand, bool) or not isinstance(self.max_operand, int) or self.max_operand < 3:
             raise TaskError(f"arithmetic: max_operand must be an int >= 3, got {self.max_operand!r}")
+        if isinstance(self.steps, bool) or self.steps not in (1, 2):
+            raise TaskError(f"arithmetic: steps must be 1 or 2, got {self.steps!r}")
 
     def sample(self, rng: random.Random) -> TaskExample:
         name, they = rng.choice(_NAMES)
         item = rng.choice(_ITEMS)
         top = self.max_operand
         kind = rng.randrange(4)
+        if self.steps == 1:
+            return self._one_step(rng, kind, name, they, item)
         if kind == 0:
             a, b = rng.randint(2, top), rng.randint(2, top)
             c = rng.randint(1, a + b)
             question = (f"{name} has {a} {item}. {they} buys {b} more, then gives {c} to a friend. "
                         f"How many {item} does {name} have now?")
-            steps, answer = [f"{a} + {b} = {a + b}", f"{a + b} - {c} = {a + b - c}"], a + b - c
+            lines, answer = [f"{a} + {b} = {a + b}", f"{a + b} - {c} = {a + b - c}"], a + b - c
         elif kind == 1:
             a, b = rng.randint(2, top), rng.randint(2, top)
             c = rng.randint(1, a * b)
             question = f"{name} buys {a} bags with {b} {item} in each. {they} loses {c} of them. How many are left?"
-            steps, answer = [f"{a} * {b} = {a * b}", f"{a * b} - {c} = {a * b - c}"], a * b - c
+            lines, answer = [f"{a} * {b} = {a * b}", f"{a * b} - {c} = {a * b - c}"], a * b - c
         elif kind == 2:
             a, b, c = rng.randint(2, top), rng.randint(2, top), rng.randint(1, top)
             question = f"A box holds {a} {item}. {name} fills {b} boxes and adds {c} more. How many {item} in all?"
-            steps, answer = [f"{a} * {b} = {a * b}", f"{a * b} + {c} = {a * b + c}"], a * b + c
+            lines, answer = [f"{a} * {b} = {a * b}", f"{a * b} + {c} = {a * b + c}"], a * b + c
         else:
             k, each = rng.randint(2, 6), rng.randint(1, top)
             a = rng.randint(1, k * each - 1)
             b = k * each - a
             question = (f"{name} has {a} {item} and finds {b} more. {they} shares them equally among {k} friends. "
                         f"How many does each friend get?")
-            steps, answer = [f"{a} + {b} = {a + b}", f"{a + b} / {k} = {each}"], each
-        solution = "\n".join(steps) + f"\n#### {answer}"
+            lines, answer = [f"{a} + {b} = {a + b}", f"{a + b} / {k} = {each}"], each
+        solution = "\n".join(lines) + f"\n#### {answer}"
         return TaskExample(prompt=f"{question} {INSTRUCTION}", ground_truth=str(answer),
                            params={"question": question, "solution": solution})
+
+    def _one_step(self, rng: random.Random, kind: int, name: str, they: str, item: str) -> TaskExample:
+        top = self.max_operand
+        if kind == 0:
+            a, b = rng.randint(2, top), rng.randint(2, top)
+            question = f"{name} has {a} {item}. {they} buys {b} more. How many {item} does {name} have now?"
+            step, answer = f"{a} + {b} = {a + b}", a + b
+        elif kind == 1:
+            a = rng.randint(2, top)
+            c = rng.randint(1, a)
+            question = f"{name} has {a} {item}. {they} gives {c} to a friend. How many {item} does {name} have now?"
+            step, answer = f"{a} - {c} = {a - c}", a - c
+        elif kind == 2:
+            a, b = rng.randint(2, top), rng.randint(2, top)
+            question = f"{name} buys {a} bags with {b} {item} in each. How many {item} does {name} have?"
+            step, answer = f"{a} * {b} = {a * b}", a * b
+        else:
+            k, each = rng.randint(2, 6), rng.randint(1, top)
+            question = (f"{name} has {k * each} {item}. {they} shares them equally among {k} friends. "
+                        f"How many does each friend get?")
+            step, answer = f"{k * each} / {k} = {each}", each
+        return TaskExample(prompt=f"{question} {INSTRUCTION}", ground_truth=str(answer),
+                           params={"question": question, "solution": f"{step}\n#### {answer}"})
 
     def score(self, response_text: str, ground_truth: str, extra_info: dict | None = None) -> float:
         """The strict ``openai/gsm8k`` score: 1.0 for ``#### <answer>`` in the response's last 300 characters."""
