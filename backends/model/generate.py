@@ -1,7 +1,6 @@
 """Batched autoregressive sampling for rollout: temperature, top-p, EOS, with the sampling log-probs."""
 from __future__ import annotations
 
-import math
 from collections.abc import Collection
 
 import torch
@@ -13,17 +12,18 @@ from backends.model.llama import LlamaModel
 __all__ = ["generate", "sample_next", "KVCache"]
 
 
-def _gumbel_argmax(scores: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One index per row of log-weights ``scores`` [B, V] (any offset; -inf = never), drawn with probability
-    softmax(scores): the Gumbel-max race, argmax(scores - log(-log(u))) with one uniform u per entry.
+def _categorical(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of non-negative ``weights`` [B, V] (any scale), drawn with probability weight / row sum.
 
-    A race (like ``torch.multinomial``'s exponential one) moves a draw only where two candidates nearly tie, so two
+    ``torch.multinomial``: its per-entry exponential race moves a draw only where two candidates nearly tie, so two
     backends whose logits differ by float rounding sample the same tokens far more often than an inverted CDF does
-    (there every earlier entry's rounding shifts the boundaries). It needs no normalised probabilities, and uniforms
-    are cheaper than multinomial's exponential variates: a 49k-entry vocabulary's draw takes about a third of the
-    time. A float32 uniform of exactly 0 makes its entry lose (probability 2^-24 per entry)."""
-    u = torch.rand(scores.shape, generator=generator, dtype=scores.dtype, device=scores.device)
-    return (scores - torch.log(-torch.log(u))).argmax(-1)
+    (there every earlier entry's rounding shifts the boundaries). The weights stay in vocabulary order, so each
+    token meets the same noise whatever its rank among near-equal ones."""
+    total = weights.sum(-1, keepdim=True)
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # nan / inf logits: no distribution to draw from
+        bad = (~torch.isfinite(total) | (total <= 0)).flatten().nonzero().flatten().tolist()
+        raise RuntimeError(f"sampling probabilities of rows {bad[:8]} are nan, inf or all zero (non-finite logits)")
+    return torch.multinomial(weights, 1, generator=generator).squeeze(-1)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
@@ -38,21 +38,17 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
         tokens = logits.argmax(-1)
         logp = torch.log_softmax(logits, -1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    z = logits / temperature
-    lse = torch.logsumexp(z, -1)
-    if not bool(torch.isfinite(lse).all()):
-        bad = (~torch.isfinite(lse)).nonzero().flatten().tolist()
-        raise RuntimeError(f"sampling probabilities of rows {bad[:8]} are nan, inf or all zero (non-finite logits)")
+    logp = torch.log_softmax(logits / temperature, -1)
+    probs = logp.exp()
     if top_p < 1.0:
-        sp, si = (z - lse[:, None]).exp().sort(-1, descending=True)
+        sp, si = probs.sort(-1, descending=True)
         nucleus = (sp.cumsum(-1) - sp) < top_p  # the smallest prefix whose mass reaches top_p
         nucleus[:, 0] = True
-        # back in vocabulary order, so each token meets the same noise whatever its rank among near-equal ones
-        keep = torch.zeros_like(nucleus).scatter(-1, si, nucleus)
-        tokens = _gumbel_argmax(z.masked_fill(~keep, -math.inf), generator)
+        keep = torch.zeros_like(nucleus).scatter(-1, si, nucleus)  # back in vocabulary order
+        tokens = _categorical(probs * keep, generator)
     else:
-        tokens = _gumbel_argmax(z, generator)
-    return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - lse
+        tokens = _categorical(probs, generator)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 class KVCache:

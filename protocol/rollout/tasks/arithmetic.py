@@ -77,6 +77,7 @@ class ArithmeticTask(Task):
                            params={"question": question, "solution": solution})
 
     def _one_step(self, rng: random.Random, kind: int, name: str, they: str, item: str) -> TaskExample:
+        """A one-step problem of operation ``kind`` (add, subtract, multiply, share), answered as one line."""
         top = self.max_operand
         if kind == 0:
             a, b = rng.randint(2, top), rng.randint(2, top)
