@@ -82,7 +82,7 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # a registered estimator of protocol.algos.advantage (gae needs critic.enabled)
+    adv_estimator: str = "grpo"  # a registered estimator of protocol.algos.advantage (gae turns the critic on)
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
@@ -138,7 +138,7 @@ class CriticConfig:
     """A value model trained beside the actor (PPO with ``algorithm.adv_estimator=gae``), on the actor's backend; a
     Megatron critic has the actor's ``actor.megatron`` degrees (it joins the actor's parallel state)."""
 
-    enabled: bool = False
+    enabled: bool | None = None  # None = on exactly when algorithm.adv_estimator reads values (gae)
     hf_path: str = ""  # "" = the actor's starting weights (model.hf_path, or the seeded init); the head is new
     cliprange_value: float = 0.5
     warmup_steps: int = 0  # first steps that train only the critic (the reference system's trainer.critic_warmup)
@@ -466,9 +466,12 @@ def _check_critic(cfg: RunConfig) -> None:
     """A critic exactly when the estimator reads values; with the actor's logical DP (one plan serves both); a
     ``critic.hf_path`` of the actor's architecture."""
     est, c = cfg.algorithm.adv_estimator, cfg.critic
+    if c.enabled is None:  # as the reference system does: the estimator decides unless critic.enabled is given
+        c.enabled = est in CRITIC_ESTIMATORS
     if est in CRITIC_ESTIMATORS and not c.enabled:
-        raise ConfigError(f"algorithm.adv_estimator={est} needs a critic's values: set critic.enabled=true "
-                          f"(see the critic.* section), or choose an estimator without a critic")
+        raise ConfigError(f"algorithm.adv_estimator={est} needs a critic's values, and critic.enabled=false turns "
+                          f"the critic off: drop critic.enabled=false (gae turns it on), or choose an estimator "
+                          f"without a critic")
     if not c.enabled:
         return
     if c.warmup_steps < 0:

@@ -49,6 +49,35 @@ def _explore_factor() -> int:
     return factor
 
 
+#: what the checkout may gain while the suite runs (caches and the environment, never a run's outputs)
+_SCRATCH_PARTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis"}
+
+
+def checkout_files(root: Path = REPO) -> dict[str, tuple[int, int]]:
+    """Every file of the checkout outside caches and the venv, with (size, mtime in ns)."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SCRATCH_PARTS and not d.endswith(".egg-info")]
+        for name in filenames:
+            path = Path(dirpath, name)
+            st = path.stat()
+            found[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_untouched():
+    """The suite writes only under temporary folders: a file it adds, changes or removes in the checkout (a run
+    folder, generated data) fails the session, so ``make test`` before or after ``make run`` behaves the same."""
+    before = checkout_files()
+    yield
+    after = checkout_files()
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    if changed:
+        pytest.fail(f"the test suite wrote into the checkout ({len(changed)} file(s)): {changed[:10]}; tests must "
+                    "write under a temporary folder (tmp_path)", pytrace=False)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "property: a hypothesis property test (selected by make test-explore)")
 
@@ -139,9 +168,12 @@ def _read(f) -> str:
     return f.read().decode(errors="replace")
 
 
-def run_process_tree(cmd: list[str], *, timeout: float, env: dict | None = None, cwd: str | Path = REPO,
+def run_process_tree(cmd: list[str], *, timeout: float, env: dict | None = None, cwd: str | Path | None = None,
                      what: str | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` and every process it starts as one unit; return its exit status and output (text).
+
+    ``cwd`` defaults to a fresh temporary folder, so a config's relative paths (``runs/``, ``data/``) land there and
+    never in the checkout.
 
     The command starts in a session of its own with a marker in its environment. On timeout, on any exception
     (pytest-timeout, Ctrl-C) and after every exit, the command and all of its descendants are SIGKILLed, whatever
@@ -152,8 +184,10 @@ def run_process_tree(cmd: list[str], *, timeout: float, env: dict | None = None,
     marker = uuid.uuid4().hex
     full_env = {**os.environ, **(env or {}), LAUNCH_MARKER_ENV: marker}
     # output goes to files, not pipes: a leaked process holding a pipe open would keep the read from ending
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, cwd=cwd, start_new_session=True)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.TemporaryDirectory(prefix="launch-") as scratch:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, cwd=cwd or scratch,
+                                start_new_session=True)
         try:
             proc.wait(timeout=timeout)
             timed_out = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def _data_args(tmp_path: Path) -> list[str]:
 
 
 def _train(*args: str) -> None:
-    proc = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=400, cwd=REPO,
+    proc = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=400, cwd=tempfile.gettempdir(),
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -122,7 +123,7 @@ def test_colocate_async_resume_trains_nothing_twice_and_loses_nothing(tmp_path):
     runs = []
     for steps, resume in ((2, "never"), (4, "auto")):
         proc = subprocess.run([sys.executable, TRAIN, *common, f"trainer.total_steps={steps}",
-                               f"trainer.resume={resume}"], capture_output=True, text=True, timeout=400, cwd=REPO,
+                               f"trainer.resume={resume}"], capture_output=True, text=True, timeout=400, cwd=tempfile.gettempdir(),
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs.append(proc.stderr)

@@ -52,8 +52,11 @@ def test_missing_config_file_is_named(tmp_path):
 
 
 def test_estimator_and_horizon():
-    with pytest.raises(ConfigError, match="gae needs a critic"):
-        load_config(REPO_CONFIG, ["algorithm.adv_estimator=gae"])
+    # gae turns the critic on (the reference system's rule); critic.enabled=false keeps it off, and is refused
+    assert load_config(REPO_CONFIG, ["algorithm.adv_estimator=gae"]).critic.enabled is True
+    assert load_config(REPO_CONFIG).critic.enabled is False  # grpo reads no values: no critic
+    with pytest.raises(ConfigError, match="gae needs a critic's values, and critic.enabled=false"):
+        load_config(REPO_CONFIG, ["algorithm.adv_estimator=gae", "critic.enabled=false"])
     with pytest.raises(ConfigError, match="algorithm.adv_estimator must be one of"):
         load_config(REPO_CONFIG, ["algorithm.adv_estimator=ppo2"])
     cfg = load_config(REPO_CONFIG, ["algorithm.adv_estimator=rloo", "data.max_response_length=12"])
@@ -300,7 +303,7 @@ def test_megatron_critic_has_the_actors_degrees():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["critic.enabled=false"], "algorithm.adv_estimator=gae needs a critic's values: set critic.enabled=true"),
+    (["critic.enabled=false"], "algorithm.adv_estimator=gae needs a critic's values, and critic.enabled=false turns"),
     (["algorithm.adv_estimator=grpo"], "critic.enabled=true but algorithm.adv_estimator=grpo reads no values"),
     (["actor.backend=megatron", "critic.fsdp.fsdp_size=1"],
      "critic.fsdp.fsdp_size is set but actor.backend=megatron: the Megatron critic runs with the actor's"),

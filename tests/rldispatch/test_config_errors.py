@@ -49,7 +49,7 @@ BAD = [
     (["model.max_position_embeddings=16"], "model.max_position_embeddings", "exceeds"),
     (["trainer.total_steps=0"], "trainer.total_steps", "must be a positive integer"),
     (["trainer.dist_timeout_s=0"], "trainer.dist_timeout_s", "must be > 0"),
-    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "gae needs a critic"),
+    (["algorithm.adv_estimator=gae", "critic.enabled=false"], "critic.enabled=false", "gae needs a critic"),
     (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type", "must be one of"),
     (["reward.manager=batch"], "custom_reward_function.path", "reward.manager=batch needs"),
     (["custom_reward_function.path=/nonexistent/reward.py"], "custom_reward_function.path", "no such file"),

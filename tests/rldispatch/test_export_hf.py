@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def _args(tmp: Path, ckpt: Path, run: Path, lr: float) -> list[str]:
 
 
 def _train_single(args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=400, cwd=REPO,
+    proc = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=400, cwd=tempfile.gettempdir(),
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -117,7 +118,7 @@ def test_one_step_changes_the_model_equally_on_both_backends(torchrun, tmp_path,
         outs[name] = tmp_path / f"exported_{name}"
         proc = subprocess.run([sys.executable, EXPORT, "--checkpoint", str(run / "checkpoints" / "step_1"),
                                "--out", str(outs[name]), "--verify"], capture_output=True, text=True, timeout=300,
-                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                              cwd=tempfile.gettempdir(), env={**os.environ, "PYTHONPATH": str(REPO)})
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "verify: max |logits" in proc.stdout and f"exported {name} checkpoint" in proc.stdout, proc.stdout
         _check_export(outs[name], qwen2)

@@ -51,7 +51,7 @@ class Launch:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={_free_port()}", TRAIN, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), LAUNCH_MARKER_ENV: self.marker}
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, env=env, cwd=REPO,
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, env=env, cwd=tempfile.gettempdir(),
                                      start_new_session=True)
 
     def workers(self) -> dict[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 import sys
 import warnings
 from pathlib import Path
@@ -20,7 +21,7 @@ PROJECT_PACKAGES = ("protocol", "dispatch", "backends", "rldispatch")
 
 def _python(code: str) -> subprocess.CompletedProcess:
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env,
                           timeout=180)
 
 

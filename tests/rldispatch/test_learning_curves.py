@@ -105,11 +105,11 @@ def test_tiny_study_runs_two_seeds_and_keeps_finished_runs(tmp_path, process_tre
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
     cmd = [sys.executable, str(SCRIPT), "--seeds", "0", "1", "--steps", "2", "--layouts", "fsdp-dp2",
            "--val-freq", "2", "--out-dir", str(tmp_path)]
-    proc = process_tree(cmd, timeout=600, env=env, cwd=REPO)
+    proc = process_tree(cmd, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "learning_curves.json").read_text())
     lay = summary["layouts"]["fsdp-dp2"]
     assert lay["seeds"] == [0, 1] and set(lay["val"]) == {"0", "2"} and lay["val"]["2"]["n"] == 2
     assert set(json.loads((tmp_path / "wall_times.json").read_text())) == {"fsdp-dp2/seed0", "fsdp-dp2/seed1"}
-    again = process_tree(cmd, timeout=600, env=env, cwd=REPO)
+    again = process_tree(cmd, timeout=600, env=env, cwd=tmp_path)
     assert again.returncode == 0 and again.stdout.count("finished earlier, kept") == 2, again.stdout

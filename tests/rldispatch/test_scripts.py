@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ SCRIPTS = REPO / "scripts"
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
     return subprocess.run([sys.executable, str(SCRIPTS / name), *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=120)
+                          cwd=tempfile.gettempdir(), env=env, timeout=120)
 
 
 def load_script(name: str):

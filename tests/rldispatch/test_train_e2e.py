@@ -116,7 +116,7 @@ def test_megatron_tp2_run_matches_fsdp_single_process(torchrun, tmp_path):
     torchrun(TRAIN, 2, *args, f"trainer.run_dir={meg}", "actor.backend=megatron", "actor.megatron.tp=2",
              timeout=400)
     subprocess.run([sys.executable, TRAIN, *args, f"trainer.run_dir={ref}"], check=True, capture_output=True,
-                   timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                   timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     a, b = _metrics(meg), _metrics(ref)
     _check_step_records(a, 2)
     for ra, rb in zip(a, b):
@@ -153,19 +153,21 @@ def test_step_without_usable_groups_stops_with_a_clear_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, TRAIN, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
          "trainer.total_steps=1", "debug.inject_rollout_failures=1.0", "ref.enabled=false"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert "NoUsableGroupsError" in proc.stderr and "no usable prompt group among 16" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_bad_config_exits_2_naming_the_key():
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    """Refused at start-up whatever a user's own runs left: run from an empty folder, the shipped config's
+    default run_dir is fresh."""
     proc = subprocess.run([sys.executable, TRAIN, "--config", CONFIG, "actor.backend=tpu"], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
+                          text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert "config error: actor.backend must be one of ['fsdp', 'megatron'], got 'tpu'" in proc.stderr
     # refused at start-up against the world size, before any rollout
     proc = subprocess.run([sys.executable, TRAIN, "--config", CONFIG, "actor.micro_batch_size_per_gpu=100"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert "config error: micro_batch_size_per_gpu (100) exceeds the per-rank mini-batch" in proc.stderr
 

@@ -41,7 +41,7 @@ def test_two_steps_on_a_gsm8k_parquet_with_only_the_file_paths_set(tmp_path):
     proc = subprocess.run(
         [sys.executable, TRAIN, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
          f"trainer.run_dir={run_dir}", "trainer.total_steps=2"],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
