@@ -49,6 +49,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    engine: str = "embedded"  # a registered rollout engine (backends.rollout): embedded
     n: int = 8  # sessions per prompt (GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -172,7 +173,6 @@ class ColocateAsyncConfig:
 @dataclass
 class SeparateAsyncConfig:
     rollout_ranks: int = 1  # ranks of the torchrun world that only generate (the last ones); the others only train
-    parameter_sync_step: int = 1  # mini-batch updates per global step (one weight sync to the rollout ranks each)
     num_warmup_batches: int = 1  # batches of prompts submitted ahead of the first step (each step submits one more)
 
 
@@ -384,18 +384,12 @@ def _check_async(cfg: RunConfig) -> None:
 
 
 def _check_separate(cfg: RunConfig) -> None:
-    """trainer.separate_async: rollout ranks, and a global step of parameter_sync_step whole mini-batches."""
+    """trainer.separate_async: at least one rollout rank; warm-up batches >= 0."""
     sa = cfg.trainer.separate_async
-    for key, least in (("rollout_ranks", 1), ("parameter_sync_step", 1), ("num_warmup_batches", 0)):
+    for key, least in (("rollout_ranks", 1), ("num_warmup_batches", 0)):
         value = getattr(sa, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"trainer.separate_async.{key} must be an integer >= {least}, got {value!r}")
-    mini = cfg.actor.ppo_mini_batch_size
-    if cfg.data.train_batch_size != sa.parameter_sync_step * mini:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must equal "
-                          f"trainer.separate_async.parameter_sync_step={sa.parameter_sync_step} x "
-                          f"actor.ppo_mini_batch_size={mini} (a global step is parameter_sync_step mini-batch "
-                          f"updates, then one weight sync)")
 
 
 def _check_registered(cfg: RunConfig) -> None:
@@ -412,6 +406,10 @@ def _check_registered(cfg: RunConfig) -> None:
     loops = known_agent_loops()
     if cfg.rollout.agent_loop not in loops:
         raise ConfigError(f"rollout.agent_loop must be one of {loops}, got {cfg.rollout.agent_loop!r}")
+    from backends.rollout import rollout_engines
+
+    if cfg.rollout.engine not in rollout_engines():
+        raise ConfigError(f"rollout.engine must be one of {rollout_engines()}, got {cfg.rollout.engine!r}")
 
 
 def _check_data_section(d: DataConfig) -> None:
@@ -584,6 +582,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
         command_line = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))).get("model")
         checkpoint = _checkpoint_architecture(model_data, set(command_line or ()), path)
         data = {**data, "model": {k: v for k, v in model_data.items() if k not in _ARCHITECTURE_KEYS}}
+    if "parameter_sync_step" in ((data.get("trainer") or {}).get("separate_async") or {}):
+        raise ConfigError("trainer.separate_async.parameter_sync_step is not a key: a global step (one weight sync) "
+                          "is data.train_batch_size / actor.ppo_mini_batch_size mini-batch updates in every mode; "
+                          "for the reference system's trigger_parameter_sync_step=N set data.train_batch_size = N x "
+                          "actor.ppo_mini_batch_size")
     cfg = build_dataclass(RunConfig, data)
     if checkpoint is not None:
         cfg.model = dataclasses.replace(checkpoint, init_std=cfg.model.init_std)

@@ -244,6 +244,14 @@ class ShardedStore(StepStore):
                     table.pop(k, None)
         return known
 
+    def kv_clear_partition(self, partition_id: str) -> int:
+        """Clear every key of ``partition_id`` this rank knows of (tags) or holds (values), with no collective: each
+        rank clears what it holds and knows of (a shutdown's clear). Returns how many keys that was."""
+        known = set(self._tags.get(partition_id, {})) | set(self.local.kv_list(partition_id).get(partition_id, {}))
+        if known:
+            self.kv_clear(sorted(known), partition_id)
+        return len(known)
+
     def tags_of(self, keys: Sequence[str], partition_id: str) -> list[dict]:
         tags = self._tags.get(partition_id, {})
         missing = [k for k in keys if k not in tags]

@@ -18,7 +18,7 @@ from rldispatch.collectives import gather_objects
 __all__ = [
     "MetricsError", "MetricsLogger", "Timer", "masked_stats", "length_stats", "sample_lengths",
     "distributed_masked_stats", "StepStats", "to_float_dict", "read_metrics", "explained_variance",
-    "ComputeClock",
+    "ComputeClock", "MODEL_STAGES", "overhead_fraction", "combine_update_metrics",
 ]
 
 
@@ -419,4 +419,33 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             if not isinstance(rec, dict) or "step" not in rec:
                 raise MetricsError(f"{p}:{lineno}: expected a JSON object with a 'step' key, got {line[:80]!r}")
             out.append(rec)
+    return out
+
+
+#: Stages whose time is the models' (rollout generation, log-probs of the policy and the reference, the update,
+#: the weight sync); every other stage (sample, plan, reward, advantage, clear) is the step's own overhead.
+MODEL_STAGES = ("rollout", "old_log_prob", "ref", "values", "critic_update", "update", "weight_sync")
+
+
+def overhead_fraction(times: dict[str, float], step_seconds: float) -> float:
+    """The step's non-model share: the summed ``timing_s/<stage>`` of stages not in MODEL_STAGES over the step."""
+    model = {f"timing_s/{s}" for s in MODEL_STAGES} | {"timing_s/step", "timing_s/overhead_fraction"}
+    other = sum(v for k, v in times.items() if k.startswith("timing_s/") and k not in model)
+    return other / step_seconds if step_seconds > 0 else 0.0
+
+
+_SUMMED = ("tokens", "seqs", "micro_batches", "skipped", "nonfinite", "time")
+_LAST = ("global_step", "lr")
+
+
+def combine_update_metrics(updates: Sequence[dict[str, float]], prefix: str = "actor/") -> dict[str, float]:
+    """One step's ``actor/*`` (or ``critic/*``) metrics from its optimizer steps: counts add up, lr is the last, the
+    rest average."""
+    out: dict[str, float] = {}
+    for k in sorted({k for u in updates for k in u}):
+        vals = [float(u[k]) for u in updates if u.get(k) is not None]
+        if not vals:
+            continue
+        out[f"{prefix}{k}"] = sum(vals) if k in _SUMMED else vals[-1] if k in _LAST else sum(vals) / len(vals)
+    out[f"{prefix}optimizer_steps"] = float(len(updates))
     return out

@@ -1,25 +1,20 @@
-"""The rollout worker: a local copy of the policy that samples responses, batching concurrent async requests."""
+"""This rank's generation: a rollout engine (:mod:`backends.rollout`), the agent loop over it, and the event loop
+its sessions run on, kept across steps. The trainer (validation, and training in sync and colocate_async) and a
+separate_async rollout rank generate through it alike."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from dataclasses import dataclass
-from collections.abc import Mapping, Sequence
-from typing import Any
+import time
+from typing import Any, Sequence
 
-import torch
+from backends.rollout import RolloutEngine, VersionedGenerate
+from protocol.rollout.agent_loop import build_agent_loop, builtin_tools, run_groups
+from rldispatch.config import RunConfig
+from rldispatch.faults import FaultInjectingLoop, fails
 
-from backends.model.config import ModelConfig
-from backends.model.generate import generate as batched_generate
-from backends.model.llama import LlamaModel
-from protocol.rollout.tokenizer import (TokenizerError, VocabularyError, check_vocab_fits, generation_stop_ids,
-                                        stop_token_ids)
+__all__ = ["LocalRollout", "run_to_end", "session_kwargs", "TRAIN", "VAL"]
 
-__all__ = ["RolloutError", "SamplingParams", "RolloutWorker", "run_to_end", "VersionedGenerate"]
-
-
-class RolloutError(ValueError):
-    """Bad sampling parameters, prompts or weights given to the rollout worker; the message names the value."""
+TRAIN, VAL = "train", "val"
 
 
 def run_to_end(loop: asyncio.AbstractEventLoop, coro: Any, cancel_left: bool = True) -> Any:
@@ -36,288 +31,114 @@ def run_to_end(loop: asyncio.AbstractEventLoop, coro: Any, cancel_left: bool = T
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request is sampled: ``temperature`` (0 = greedy), nucleus ``top_p``, at most ``max_tokens`` tokens.
-
-    Generation also stops after any stop token (the tokenizer's EOS and the checkpoint's generation_config.json
-    EOS ids), which is kept as the last response token.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise RolloutError(f"sampling temperature must be a number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise RolloutError(f"sampling top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RolloutError(f"sampling max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-
-    @classmethod
-    def from_any(cls, params: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
-        """Accept a SamplingParams, a mapping (``max_new_tokens`` is an alias of ``max_tokens``) or None."""
-        if params is None:
-            return cls()
-        if isinstance(params, cls):
-            return params
-        if not isinstance(params, Mapping):
-            raise RolloutError(f"sampling_params must be a SamplingParams or a mapping, got {type(params).__name__}")
-        d = dict(params)
-        if "max_new_tokens" in d:
-            if "max_tokens" in d and d["max_tokens"] != d["max_new_tokens"]:
-                raise RolloutError(f"sampling_params: max_tokens={d['max_tokens']!r} and max_new_tokens="
-                                   f"{d['max_new_tokens']!r} disagree; give one")
-            d["max_tokens"] = d.pop("max_new_tokens")
-        valid = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - valid)
-        if unknown:
-            raise RolloutError(f"unknown sampling parameter(s) {unknown}; valid: {sorted(valid)} (+ max_new_tokens)")
-        return cls(**d)
+def session_kwargs(cfg: RunConfig, rows: Sequence[dict], uids: Sequence[str], partition: str) -> list[dict]:
+    """What each prompt's sessions get besides the prompt: the tool loop's ``tools_kwargs`` of its row, and
+    ``inject_failure`` for the groups ``debug.inject_rollout_failures`` picks (training prompts only)."""
+    frac = cfg.debug.inject_rollout_failures if partition == TRAIN else 0.0
+    out = []
+    for row, uid in zip(rows, uids):
+        kw: dict[str, Any] = {}
+        if cfg.rollout.agent_loop == "tool":
+            kw["tools_kwargs"] = (row.get("extra_info") or {}).get("tools_kwargs") or {}
+        if fails(uid, frac):
+            kw["inject_failure"] = True
+        out.append(kw)
+    return out
 
 
-@dataclass
-class _Request:
-    prompt: list[int]
-    params: SamplingParams
-    future: asyncio.Future
+class LocalRollout:
+    """Generates prompt groups into ``store`` on this rank: ``submit`` starts them (and waits, or leaves them
+    running), ``drive`` lets running ones advance, ``cancel`` ends them.
 
+    ``partial``: a response is generated ``rollout.partial_rollout_chunk`` tokens at a time, so a weight sync between
+    chunks makes the rest use the new weights (partial rollout). ``rank`` seeds the sampling stream; ``dp_rank`` /
+    ``dp_size`` / ``generates`` say which prompts of a submission this rank generates (:meth:`mine`): round robin
+    over the DP replicas' reporting ranks."""
 
-class RolloutWorker:
-    """Holds the rollout policy; ``generate`` samples one request, ``agenerate`` batches concurrent ones.
+    def __init__(self, cfg: RunConfig, engine: RolloutEngine, tokenizer: Any, store: Any, *, partial: bool,
+                 rank: int = 0, dp_rank: int = 0, dp_size: int = 1, generates: bool = True):
+        self.cfg, self.engine, self.store, self.rank = cfg, engine, store, rank
+        self.dp_rank, self.dp_size, self.generates = dp_rank, dp_size, generates
+        self.loop = asyncio.new_event_loop()
+        kwargs = {"max_turns": cfg.rollout.max_turns, "tools": builtin_tools()} \
+            if cfg.rollout.agent_loop == "tool" else {}
+        generate = VersionedGenerate(engine, cfg.rollout.partial_rollout_chunk if partial else None)
+        self.agent_loop = build_agent_loop(cfg.rollout.agent_loop, generate, tokenizer=tokenizer,
+                                           max_response_length=cfg.data.max_response_length, **kwargs)
+        self.tasks: list[asyncio.Task] = []
+        self.busy_s = 0.0  # seconds spent generating (driving the event loop) so far
 
-    Sampling draws from one per-worker generator seeded by ``(seed, rank)``, so a run is reproducible for a
-    fixed request order. The model starts from ``LlamaModel.from_seed(model_cfg, init_seed)``; with
-    ``model_cfg.hf_path`` set it starts uninitialised (no full random init of a large model on every rank) and
-    refuses to generate before the first :meth:`load_weights`. Weights are pushed with :meth:`load_weights` after
-    every actor update.
+    def sampling(self, partition: str) -> dict:
+        """Training prompts sample at ``rollout.temperature`` / ``top_p``; validation is greedy."""
+        if partition == VAL:
+            return {"temperature": 0.0, "top_p": 1.0, "max_tokens": self.cfg.data.max_response_length}
+        r = self.cfg.rollout
+        return {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": self.cfg.data.max_response_length}
 
-    Example::
+    def submit(self, prompts: Sequence[Any], uids: Sequence[str], partition: str, step: int,
+               row_kwargs: Sequence[dict], *, seed_batch: int | None, wait: bool = True,
+               cancel_left: bool = True) -> None:
+        """Generate ``rollout.n`` sessions (one for validation) of each prompt, dispatched at ``step``.
 
-        worker = RolloutWorker(ModelConfig(), CharTokenizer(), seed=0)
-        ids, logprobs = worker.generate(tok.apply_chat_template(msgs), {"temperature": 1.0, "max_tokens": 8})
-    """
-
-    def __init__(self, model_cfg: ModelConfig, tokenizer: Any, device: str | torch.device = "cpu", seed: int = 0,
-                 rank: int = 0, max_batch_size: int | None = None, init_seed: int = 0):
-        if not isinstance(model_cfg, ModelConfig):
-            raise RolloutError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
-        if getattr(tokenizer, "vocab_size", None) is None or getattr(tokenizer, "eos_token_id", None) is None:
-            raise RolloutError("tokenizer must provide vocab_size and eos_token_id")
-        try:
-            # the tokenizer's own stop ids plus the checkpoint's generation_config.json EOS ids
-            self.stop_token_ids = stop_token_ids(tokenizer) | generation_stop_ids(model_cfg.hf_path)
-            check_vocab_fits(tokenizer, model_cfg.vocab_size)
-            outside = sorted(i for i in self.stop_token_ids if i >= model_cfg.vocab_size)
-            if outside:
-                raise VocabularyError(f"stop token ids {outside} of {model_cfg.hf_path}/generation_config.json are "
-                                      f"outside the model's {model_cfg.vocab_size} embedding rows")
-        except (TokenizerError, VocabularyError) as exc:
-            raise RolloutError(str(exc)) from exc
-        if max_batch_size is not None and max_batch_size < 1:
-            raise RolloutError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
-        self.model_cfg = model_cfg
-        self.tokenizer = tokenizer
-        self.device = torch.device(device)
-        self.seed, self.rank = int(seed), int(rank)
-        self.max_batch_size = max_batch_size
-        # Deterministic placeholder weights until the first load_weights; the sampling seed does not change them.
-        if model_cfg.hf_path:  # the trainer pushes the engine's (checkpoint) weights before any rollout
-            with torch.device("meta"):
-                self.model = LlamaModel(model_cfg)
-            self.model = self.model.to_empty(device=self.device).eval()
+        ``seed_batch`` restarts the sampling stream as batch ``seed_batch`` of ``partition`` (None: the stream goes
+        on). ``wait``: run to the end (tasks left on the loop are cancelled unless ``cancel_left`` is false);
+        otherwise the groups run whenever the loop is driven."""
+        if not uids:
+            return
+        if seed_batch is not None:
+            self.engine.reseed(self.cfg.trainer.seed * 7919 + seed_batch * 2 + (partition == VAL), rank=self.rank)
+        loop = FaultInjectingLoop(self.agent_loop) if any(kw.get("inject_failure") for kw in row_kwargs) \
+            else self.agent_loop
+        groups = run_groups(self.store, list(uids), list(prompts), self.cfg.rollout.n if partition == TRAIN else 1,
+                            loop, step, partition, self.sampling(partition), row_kwargs=list(row_kwargs))
+        if wait:
+            t0 = time.perf_counter()
+            run_to_end(self.loop, groups, cancel_left=cancel_left)
+            self.busy_s += time.perf_counter() - t0
         else:
-            self.model = LlamaModel.from_seed(model_cfg, seed=int(init_seed), device=self.device).eval()
-        self._has_weights = not model_cfg.hf_path
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        self.generator = torch.Generator(device=self.device)
-        self.reseed(self.seed, self.rank)
-        self.weights_version = 0
-        self.batch_sizes: list[int] = []  # size of every batched generate call (for metrics and tests)
-        self._pending: list[_Request] = []
-        self._flusher: asyncio.Task | None = None
+            self.tasks.append(self.loop.create_task(groups))
 
-    # ------------------------------------------------------------------------------------------------ state
-    def reseed(self, seed: int, rank: int | None = None) -> None:
-        """Restart the sampling stream from ``(seed, rank)``."""
-        self.seed = int(seed)
-        if rank is not None:
-            self.rank = int(rank)
-        self.generator.manual_seed((self.seed * 1_000_003 + self.rank) % (2**63))
+    def mine(self, count: int) -> list[int]:
+        """Positions of a submission's prompts this rank generates."""
+        return [i for i in range(count) if i % self.dp_size == self.dp_rank] if self.generates else []
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
-        """Copy full weights in the project's model layout into the rollout model (names and shapes must match)."""
-        own = self.model.state_dict()
-        missing = sorted(set(own) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise RolloutError(f"load_weights: state dict does not match the rollout model; missing {missing[:5]}"
-                               f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                               f"{'...' if len(unexpected) > 5 else ''}")
-        for name, t in state_dict.items():
-            if tuple(t.shape) != tuple(own[name].shape):
-                raise RolloutError(f"load_weights: {name} has shape {tuple(t.shape)}, the rollout model expects "
-                                   f"{tuple(own[name].shape)}")
-        with torch.no_grad():
-            for name, t in state_dict.items():
-                own[name].copy_(t.detach().to(device=own[name].device, dtype=own[name].dtype))
-        self.weights_version = self.weights_version + 1 if version is None else int(version)
-        self._has_weights = True
+    def submit_share(self, rows: Sequence[dict], uids: Sequence[str], partition: str, step: int, *,
+                     seed_batch: int | None, wait: bool = True, cancel_left: bool = True) -> list[int]:
+        """:meth:`submit` of this rank's share (:meth:`mine`) of dataset ``rows``; returns its positions."""
+        mine = self.mine(len(rows))
+        picked_rows, picked_uids = [rows[i] for i in mine], [uids[i] for i in mine]
+        self.submit([r["raw_prompt"] for r in picked_rows], picked_uids, partition, step,
+                    session_kwargs(self.cfg, picked_rows, picked_uids, partition), seed_batch=seed_batch, wait=wait,
+                    cancel_left=cancel_left)
+        return mine
 
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the rollout weights (for checks that the sync happened)."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+    def in_flight(self) -> int:
+        """Submissions still running."""
+        self.tasks = [task for task in self.tasks if not task.done()]
+        return len(self.tasks)
 
-    # ------------------------------------------------------------------------------------------- sampling
-    def _check_prompt(self, prompt_ids: Sequence[int], where: str) -> list[int]:
-        if hasattr(prompt_ids, "tolist"):
-            prompt_ids = prompt_ids.tolist()
-        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
-            raise RolloutError(f"{where}: prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-        ids = list(prompt_ids)
-        if not ids:
-            raise RolloutError(f"{where}: prompt_ids is empty; a prompt needs at least one token")
-        vocab = self.model_cfg.vocab_size
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise RolloutError(f"{where}: prompt token {i} is {t!r}, expected an int in [0, {vocab})")
-        return ids
+    def drive(self, seconds: float) -> float:
+        """Let the running submissions advance for up to ``seconds`` (less when they all end first); returns the
+        seconds spent. An error that is not a session failure (those are in the group's tag) is raised here."""
+        if not self.in_flight():
+            return 0.0
+        t0 = time.perf_counter()
+        done, _ = self.loop.run_until_complete(asyncio.wait(self.tasks, timeout=seconds))
+        spent = time.perf_counter() - t0
+        self.busy_s += spent
+        for task in done:
+            task.result()
+        return spent
 
-    def _check_fits(self, prompt: list[int], params: SamplingParams, where: str) -> None:
-        limit = self.model_cfg.max_position_embeddings
-        if len(prompt) + params.max_tokens > limit:
-            raise RolloutError(f"{where}: prompt_len {len(prompt)} + max_tokens {params.max_tokens} exceeds "
-                               f"model.max_position_embeddings {limit}")
+    def cancel(self) -> int:
+        """Cancel every session on the loop; returns how many tasks were still running."""
+        left = [task for task in asyncio.all_tasks(self.loop) if not task.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        self.tasks = []
+        return len(left)
 
-    def generate_batch(self, prompts: Sequence[Sequence[int]],
-                       sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                       ) -> list[tuple[list[int], list[float]]]:
-        """Sample every prompt in one batched generation; return ``(token_ids, logprobs)`` per prompt, in order."""
-        params = SamplingParams.from_any(sampling_params)
-        checked = [self._check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        for i, p in enumerate(checked):
-            self._check_fits(p, params, f"prompt {i}")
-        if not checked:
-            return []
-        return self._run([_Request(p, params, None) for p in checked])  # type: ignore[arg-type]
-
-    def generate(self, prompt_ids: Sequence[int],
-                 sampling_params: SamplingParams | Mapping[str, Any] | None = None) -> tuple[list[int], list[float]]:
-        """Sample one response: ``(token_ids, logprobs)``; the eos token, when produced, ends the list."""
-        return self.generate_batch([prompt_ids], sampling_params)[0]
-
-    def __call__(self, prompt_ids: Sequence[int], sampling_params: Any = None) -> tuple[list[int], list[float]]:
-        return self.generate(prompt_ids, sampling_params)
-
-    def _run(self, requests: list[_Request]) -> list[tuple[list[int], list[float]]]:
-        """Generate for requests grouped by (temperature, top_p), each group in chunks of ``max_batch_size``."""
-        if not self._has_weights:
-            raise RolloutError(f"the rollout model of model.hf_path={self.model_cfg.hf_path!r} has no weights yet; "
-                               f"call load_weights (the engine's weights) before generating")
-        results: list[tuple[list[int], list[float]] | None] = [None] * len(requests)
-        groups: dict[tuple[float, float], list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault((float(r.params.temperature), float(r.params.top_p)), []).append(i)
-        for (temperature, top_p), idx in groups.items():
-            step = self.max_batch_size or len(idx)
-            for start in range(0, len(idx), step):
-                chunk = idx[start:start + step]
-                max_new = max(requests[i].params.max_tokens for i in chunk)
-                self.batch_sizes.append(len(chunk))
-                toks, lps = batched_generate(self.model, [requests[i].prompt for i in chunk], max_new_tokens=max_new,
-                                             temperature=temperature, top_p=top_p,
-                                             eos_token_id=self.stop_token_ids, generator=self.generator)
-                for i, t, lp in zip(chunk, toks, lps):
-                    m = requests[i].params.max_tokens  # a shorter budget is a prefix of the same sample
-                    results[i] = (t[:m], lp[:m])
-        return results  # type: ignore[return-value]
-
-    # ---------------------------------------------------------------------------------------------- async
-    async def agenerate(self, prompt_ids: Sequence[int],
-                        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                        ) -> tuple[list[int], list[float]]:
-        """Async :meth:`generate`: requests that arrive while the event loop is busy are sampled as one batch.
-
-        The batch is cut once the loop has had a tick in which no new request arrived, so every session that
-        is ready to generate joins it; batch composition (and thus the samples) is deterministic for a fixed
-        order of requests.
-        """
-        token_ids, logprobs, _ = await self.agenerate_versioned(prompt_ids, sampling_params)
-        return token_ids, logprobs
-
-    async def agenerate_versioned(self, prompt_ids: Sequence[int],
-                                  sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                                  ) -> tuple[list[int], list[float], int]:
-        """:meth:`agenerate` plus the weight version that generated the tokens (read when the batch ran)."""
-        params = SamplingParams.from_any(sampling_params)
-        prompt = self._check_prompt(prompt_ids, "agenerate")
-        self._check_fits(prompt, params, "agenerate")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._pending.append(_Request(prompt, params, fut))
-        if self._flusher is None or self._flusher.done() or self._flusher.get_loop() is not loop:
-            self._flusher = loop.create_task(self._flush_loop())
-        return await fut
-
-    async def _flush_loop(self) -> None:
-        while self._pending:
-            seen = -1
-            while seen != len(self._pending):  # let every ready coroutine submit before cutting the batch
-                seen = len(self._pending)
-                await asyncio.sleep(0)
-            batch, self._pending = self._pending, []
-            live = [r for r in batch if not r.future.done()]  # a cancelled caller drops its request
-            if not live:
-                continue
-            try:
-                results = self._run(live)
-            except Exception as exc:  # every waiter of the failed batch sees the error
-                for r in live:
-                    if not r.future.done():
-                        r.future.set_exception(exc)
-                continue
-            version = self.weights_version
-            for r, res in zip(live, results):
-                if not r.future.done():
-                    r.future.set_result((*res, version))
-
-
-class VersionedGenerate:
-    """The agent loop's ``generate``: a :class:`Generated` tagged with the weight versions that produced it.
-
-    With ``chunk`` (partial rollout) a response is generated ``chunk`` tokens at a time, each chunk a new request
-    that continues the prompt and the tokens so far; between chunks the session waits on the event loop, so a
-    weight sync that happens meanwhile makes the next chunk use the new weights. The tokens and log-probs of
-    earlier chunks are kept. Without ``chunk`` a response is one request: one version.
-    """
-
-    def __init__(self, worker: RolloutWorker, chunk: int | None = None):
-        if chunk is not None and chunk < 1:
-            raise RolloutError(f"partial rollout chunk must be >= 1 token, got {chunk}")
-        self.worker, self.chunk = worker, chunk
-
-    async def __call__(self, prompt_ids: Sequence[int], sampling_params: Any = None) -> "Generated":
-        from protocol.rollout.agent_loop.base import Generated
-
-        params = SamplingParams.from_any(sampling_params)
-        if self.chunk is None or self.chunk >= params.max_tokens:
-            toks, lps, version = await self.worker.agenerate_versioned(prompt_ids, params)
-            return Generated(toks, lps, (version,))
-        prompt = list(prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)
-        toks: list[int] = []
-        lps: list[float] = []
-        versions: list[int] = []
-        stops = self.worker.stop_token_ids
-        while len(toks) < params.max_tokens:
-            want = min(self.chunk, params.max_tokens - len(toks))
-            part, part_lps, version = await self.worker.agenerate_versioned(
-                prompt + toks, dataclasses.replace(params, max_tokens=want))
-            toks.extend(part)
-            lps.extend(part_lps)
-            versions.append(version)
-            if len(part) < want or (part and part[-1] in stops):
-                break
-        return Generated(toks, lps, versions)
+    def close(self) -> None:
+        self.loop.close()

@@ -18,7 +18,7 @@ class StepState:
     """What one step's stages hand each other besides the KVBatchMeta: its prompts, plan, this rank's keys, metrics."""
 
     step: int
-    prompts: tuple[list[dict], list[str]]
+    prompts: tuple[list[dict], list[str]] = ((), ())  # (rows, uids) the step submitted (the schedule's generate)
     metrics: dict[str, float] = field(default_factory=dict)
     stats: StepStats = field(default_factory=StepStats)  # cross-rank metrics, reduced once in _finish
     times: dict[str, float] = field(default_factory=dict)

@@ -7,7 +7,7 @@ budget and the others 8 tokens (per prompt, so a GRPO group is all long or all s
 ``torchrun --nproc_per_node=2`` of this script with the same config, seed and number of steps (every step trains
 ``train_batch_size x rollout.n`` trajectories, in 2 mini-batch updates): ``sync``, ``colocate_async`` (one warm-up
 batch ahead, partial rollout in ``--chunk``-token chunks) and ``separate_async`` (rank 1 generates, rank 0 trains;
-one warm-up batch ahead, ``parameter_sync_step=2``: one weight sync per step, as in the other modes). The first
+one warm-up batch ahead; 2 mini-batch updates and one weight sync per step, as in the other modes). The first
 ``--skip`` steps are left out (start-up). Printed per mode: trajectories per second (trained trajectories over the
 summed step times), the median step time, and each rank role's idle share (``timing_s/trainer_idle`` and
 ``timing_s/rollout_idle`` over the step time; in separate_async the first is the training rank's wait for groups,
@@ -34,7 +34,7 @@ MODES = {
     "sync": ("trainer.mode=sync",),
     "colocate_async": ("trainer.mode=colocate_async", "trainer.colocate_async.num_warmup_batches=1"),
     "separate_async": ("trainer.mode=separate_async", "trainer.separate_async.num_warmup_batches=1",
-                       "trainer.separate_async.parameter_sync_step=2", "trainer.separate_async.rollout_ranks=1"),
+                       "trainer.separate_async.rollout_ranks=1"),
 }
 LONG, SHORT, ONE_IN = 64, 8, 8
 
@@ -57,7 +57,7 @@ def worker(overrides: list[str]) -> int:
     """One training run under torchrun (this script with ``--worker``)."""
     _register_long_tail()
     from rldispatch.config import load_config
-    from rldispatch.grpo import run
+    from rldispatch.lifecycle import run
 
     return run(load_config(str(ROOT / "configs" / "grpo_tiny.yaml"), overrides))
 

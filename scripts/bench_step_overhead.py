@@ -23,7 +23,6 @@ for gloo's own thread, so the smallest size's cost per trajectory is not expecte
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import math
@@ -52,28 +51,49 @@ ROLLOUT_N = 8
 
 
 class SyntheticRollout:
-    """Stands in for the rollout engine: instant, deterministic random responses with log-probs (no model).
+    """A rollout engine (every verb of :class:`backends.rollout.RolloutEngine`) that stands in for the model:
+    instant, deterministic random responses with log-probs.
 
     Each reseed draws one step's tokens in bulk (``pool`` responses: the step's trajectories), so a call costs two
     list slices: the generation is the model's time, not the step overhead this script measures.
     """
 
     def __init__(self, vocab: int, max_tokens: int, stop_ids: set[int], pool: int):
-        self.vocab, self.max_tokens, self.stop_token_ids, self.pool = vocab, max_tokens, stop_ids, pool
+        self.vocab, self.max_tokens, self.stop_token_ids, self.pool = vocab, max_tokens, frozenset(stop_ids), pool
+        self.weights_version = 0
         self.reseed(0)
 
-    def reseed(self, seed: int, rank: int = 0) -> None:
-        rng = np.random.default_rng([seed, rank])
+    def reseed(self, seed: int, rank: int | None = 0) -> None:
+        rng = np.random.default_rng([seed, rank or 0])
         self._lengths = rng.integers(1, self.max_tokens + 1, size=self.pool).tolist()
         self._ids = rng.integers(4, self.vocab, size=self.pool + self.max_tokens).tolist()
         self._logprobs = (-rng.random(self.pool + self.max_tokens)).tolist()
         self._next = 0
 
     async def agenerate(self, prompt_ids, sampling_params=None):
+        from protocol.rollout.agent_loop.base import Generated
+
         i = self._next
         self._next = (i + 1) % self.pool
         end = i + self._lengths[i]
-        return self._ids[i:end], self._logprobs[i:end]
+        return Generated(self._ids[i:end], self._logprobs[i:end], (self.weights_version,))
+
+    def load_weights(self, weights, version=None) -> None:
+        self.weights_version = self.weights_version + 1 if version is None else int(version)
+
+    def load_adapters(self, adapters, scale, version=None) -> None:
+        self.load_weights(adapters, version)
+
+    def weight_dtypes(self) -> dict:
+        return {}
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
 
 
 def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int = 1):
@@ -81,19 +101,20 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     from dispatch import Topology
     from protocol.algos.kl import FixedKLController
     from protocol.algos.reward import build_reward_manager
-    from protocol.rollout.agent_loop import build_agent_loop
     from protocol.rollout.dataset import RLHFDataset
     from protocol.rollout.tasks.data import write_task_data
     from protocol.rollout.tokenizer import decode_response, load_tokenizer, resolve_tokenizer, stop_token_ids
     from protocol.store import LocalStore
-    from protocol.store.replay_buffer import ReplayBuffer
     from rldispatch.bridge import StoreBridge
     from rldispatch.config import load_config
     from rldispatch.dataplane import ShardedStore
     from rldispatch.gc_policy import StepGC
-    from rldispatch.grpo import DistContext, GRPOTrainer
+    from rldispatch.grpo import GRPOTrainer
+    from rldispatch.launch import DistContext
     from rldispatch.metrics import MetricsLogger
-    from rldispatch.schedule import build_schedule
+    from rldispatch.prompts import PromptStream
+    from rldispatch.rollout import LocalRollout
+    from rldispatch.schedules import Seams, SyncSchedule
     from rldispatch.trace import TraceRecorder
 
     prompts = size // ROLLOUT_N
@@ -117,23 +138,23 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
                               prompt_key=cfg.data.prompt_key)
     t.store = ShardedStore(LocalStore())
     t.bridge, t.ref_bridge = StoreBridge(None, t.store), None
-    t.critic = t.critic_bridge = None  # no critic: the GRPO step
-    t.replay = ReplayBuffer(t.store, "train", failure_policy=cfg.replay.failure_policy, mode="sync")
-    t.rollout = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer),
-                                 pool=size)
-    t.loop = asyncio.new_event_loop()
-    t.agent_loop = build_agent_loop(cfg.rollout.agent_loop, t.rollout.agenerate, tokenizer=t.tokenizer,
-                                    max_response_length=cfg.data.max_response_length)
+    t.critic = None  # no critic: the GRPO step
+    engine = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer),
+                              pool=size)
+    t.rollout = LocalRollout(cfg, engine, t.tokenizer, t.store, partial=False, rank=t.dp_rank, dp_rank=t.dp_rank,
+                             dp_size=t.topology.dp_size, generates=t.reporting)
+    t.stream = PromptStream(t.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     t.reward_manager = build_reward_manager(
         cfg.reward, cfg.custom_reward_function,
-        decode=functools.partial(decode_response, t.tokenizer, stop_ids=t.rollout.stop_token_ids),
+        decode=functools.partial(decode_response, t.tokenizer, stop_ids=engine.stop_token_ids),
         max_response_len=cfg.data.max_response_length)
     t.kl_ctrl = FixedKLController(cfg.algorithm.kl_ctrl.kl_coef)
     t.metrics = MetricsLogger(t.run_dir, rank == 0, tensorboard=False)
     t.trace = TraceRecorder(str(work / f"trace{rank}.jsonl"), enabled=False, rank=rank)
     t.gc = StepGC(cfg.trainer.gc_interval)  # started by the caller, as fit() does
     t.step = 0
-    t.schedule = build_schedule(t)  # trainer.mode=sync: generate the step's prompts, then train on them
+    # trainer.mode=sync: generate the step's prompts, then train on them
+    t.schedule = SyncSchedule(Seams(cfg, t.stream, t.store, t.rollout, lambda: {}, list(range(world))), 0)
     return t
 
 
@@ -144,10 +165,11 @@ def one_step(t, step: int, on_stage=None, barriers: bool = True) -> dict[str, fl
     a stage also waits for the peers' previous stages to end). ``on_stage(name)`` is called as each stage starts
     (the complexity test counts operations per stage with it).
     """
-    from rldispatch.grpo import TRAIN, StepState
+    from rldispatch.rollout import TRAIN
+    from rldispatch.step_state import StepState
 
     t.step = step
-    st = StepState(step, t._sample_prompts())
+    st = StepState(step)
     times: dict[str, float] = {}
     world = t.ctx.world
 

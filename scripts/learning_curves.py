@@ -44,13 +44,12 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "fsdp-dp2-colocate_async": ("actor.backend=fsdp", "trainer.mode=colocate_async"),
     "megatron-dp2-colocate_async": ("actor.backend=megatron", "actor.megatron.tp=1", "trainer.mode=colocate_async"),
     # rank 1 generates, rank 0 trains (FSDP on one rank); a global step is the step's 2 mini-batches
-    "fsdp-separate_async": ("actor.backend=fsdp", "trainer.mode=separate_async",
-                            "trainer.separate_async.parameter_sync_step=2"),
+    "fsdp-separate_async": ("actor.backend=fsdp", "trainer.mode=separate_async"),
 }
 NPROC = 2
 VAL_KEY = "val/score/mean"
 REWARD_KEY = "reward/score/mean"
-DEFAULT_CONFIG = "configs/grpo_tiny.yaml"
+DEFAULT_CONFIG = "grpo_tiny"
 
 
 class StudyError(ValueError):
@@ -271,17 +270,22 @@ def train_command(layout: str, seed: int, steps: int, val_freq: int, run_dir: Pa
             "trainer.save_freq=0", *extra]
 
 
-def _ensure_task_data(config: str) -> None:
-    """Generate the config's task data with seed 0 when absent, so every seed trains and validates on the same rows
-    (train.py would otherwise generate it with the first run's trainer.seed)."""
+def _ensure_task_data(config: str, out_dir: Path) -> list[str]:
+    """The config's task data, generated with seed 0 under ``out_dir/data`` when absent, so every seed trains and
+    validates on the same rows (train.py would otherwise generate it with the first run's trainer.seed); returns
+    the overrides that point the runs at it (none for a config without a task: its files are used as they are)."""
     from rldispatch.config import load_config
 
     d = load_config(config, []).data
-    files = [REPO / f for f in [*d.train_files, *d.val_files]]
-    if d.task and not all(f.exists() for f in files):
+    if not d.task:
+        return []
+    folder = out_dir / "data" / d.task
+    train, val = folder / "train.parquet", folder / "val.parquet"  # what write_task_data names them
+    if not (train.exists() and val.exists()):
         from protocol.rollout.tasks.data import write_task_data
 
-        write_task_data(files[0].parent, d.task, train=d.train_size, val=d.val_size, seed=0)
+        write_task_data(str(folder), d.task, train=d.train_size, val=d.val_size, seed=0)
+    return [f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
 
 
 def run_study(layouts: list[str], seeds: list[int], steps: int, val_freq: int, out_dir: Path, config: str,
@@ -289,7 +293,7 @@ def run_study(layouts: list[str], seeds: list[int], steps: int, val_freq: int, o
     """Run every (layout, seed) not yet finished, one after another; record each run's wall time."""
     walls = _read_walls(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _ensure_task_data(config)
+    extra = [*_ensure_task_data(config, out_dir), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for layout in layouts:
         for seed in seeds:
@@ -304,7 +308,7 @@ def run_study(layouts: list[str], seeds: list[int], steps: int, val_freq: int, o
             cmd = train_command(layout, seed, steps, val_freq, run_dir, config, extra)
             print(f"[{layout} seed {seed}] {shlex.join(cmd)}", flush=True)
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+            proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t0
             if proc.returncode != 0:
                 raise StudyError(f"[{layout} seed {seed}] train.py exited {proc.returncode} after {wall:.0f} s; "

@@ -1,7 +1,7 @@
 """Learning against the wall clock: a real model's runs (one folder per seed), their greedy val and train reward.
 
     python scripts/real_model_curves.py runs/smollm2/seed0 runs/smollm2/seed1 runs/smollm2/seed2 \
-        --minutes 60 --out-dir docs/real_model_curves
+        --minutes 60 --out-dir docs/results
 
 Each run's ``metrics.jsonl`` must carry ``progress/elapsed_s`` (wall seconds since training began, validations
 included; the trainer writes it every step). The validation before the first step is placed at minute 0. Per seed

@@ -54,14 +54,24 @@ _SCRATCH_PARTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis"
 
 
 def checkout_files(root: Path = REPO) -> dict[str, tuple[int, int]]:
-    """Every file of the checkout outside caches and the venv, with (size, mtime in ns)."""
+    """Every file of the checkout that git does not track, outside caches and the venv, with (size, mtime in ns).
+
+    Tracked files are left out: a developer may edit sources while the suite runs; what a test could leave behind
+    is new files (run folders, generated data)."""
+    try:
+        tracked = set(subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True,
+                                     timeout=60).stdout.decode().split("\0"))
+    except (OSError, subprocess.SubprocessError):  # not a git checkout: every file counts
+        tracked = set()
     found = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SCRATCH_PARTS and not d.endswith(".egg-info")]
         for name in filenames:
             path = Path(dirpath, name)
-            st = path.stat()
-            found[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+            rel = str(path.relative_to(root))
+            if rel not in tracked:
+                st = path.stat()
+                found[rel] = (st.st_size, st.st_mtime_ns)
     return found
 
 

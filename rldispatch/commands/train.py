@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return config_error(exc)
 
-    from rldispatch.grpo import run
+    from rldispatch.lifecycle import run
 
     try:
         return run(cfg)

@@ -284,7 +284,7 @@ def test_one_rank_engine_merges_without_touching_its_parameters_and_the_rollout_
     from backends.config import EngineConfig
     from protocol.batch.nested import to_nested
     from protocol.rollout.tokenizer import load_tokenizer
-    from rldispatch.rollout import RolloutWorker
+    from backends.rollout import EmbeddedEngine
 
     cfg = dataclasses.replace(TINY, vocab_size=128)  # the char tokenizer's 128 ids
 
@@ -305,7 +305,7 @@ def test_one_rank_engine_merges_without_touching_its_parameters_and_the_rollout_
         want = own[w] + 2.0 * own["layers.0.self_attn.q_proj.lora_B"] @ own["layers.0.self_attn.q_proj.lora_A"]
         torch.testing.assert_close(first[w], want, rtol=1e-6, atol=1e-6)
 
-        rollout = RolloutWorker(cfg, load_tokenizer("char"), seed=3)
+        rollout = EmbeddedEngine(cfg, load_tokenizer("char"), seed=3)
         rollout.load_weights(first)
         prompts = [[5, 17, 40, 9], [70, 3, 12]]
         samples = rollout.generate_batch(prompts, {"temperature": 1.0, "max_tokens": 6})

@@ -7,7 +7,7 @@ from rldispatch.config import ConfigError, load_config
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["trainer.mode=separate_async"], r"trainer.separate_async.parameter_sync_step=1 x actor.ppo_mini_batch_size"),
+    (["trainer.mode=separate_async", "trainer.separate_async.rollout_ranks=0"], "trainer.separate_async.rollout_ranks"),
     (["trainer.mode=overlap"], "trainer.mode"),
     (["rollout.partial_rollout=true"], "rollout.partial_rollout"),
     (["trainer.mode=colocate_async", "rollout.partial_rollout_chunk=0"], "rollout.partial_rollout_chunk"),

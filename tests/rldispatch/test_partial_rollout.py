@@ -13,7 +13,7 @@ from protocol.rollout.agent_loop import SingleTurnAgentLoop, run_group
 from protocol.rollout.tokenizer import CharTokenizer
 from protocol.store import LocalStore
 from protocol.store.keys import new_uid
-from rldispatch.rollout import RolloutError, RolloutWorker, VersionedGenerate
+from backends.rollout import EmbeddedEngine, RolloutError, VersionedGenerate
 
 TOK = CharTokenizer()
 CFG = ModelConfig()
@@ -29,7 +29,7 @@ def recompute(model: LlamaModel, prompt: list[int], response: list[int]) -> torc
     return lp[p - 1:p - 1 + len(response)].gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
-def run_one_batch(loop: asyncio.AbstractEventLoop, worker: RolloutWorker) -> None:
+def run_one_batch(loop: asyncio.AbstractEventLoop, worker: EmbeddedEngine) -> None:
     """Drive the loop until the worker has run one more batched generation (one chunk of every live session)."""
     n = len(worker.batch_sizes)
     while len(worker.batch_sizes) == n:
@@ -38,7 +38,7 @@ def run_one_batch(loop: asyncio.AbstractEventLoop, worker: RolloutWorker) -> Non
 
 def test_resumed_across_two_weight_syncs_keeps_tokens_logprobs_and_tags_versions():
     models = [LlamaModel.from_seed(CFG, seed=s).eval() for s in (0, 1, 2)]
-    worker = RolloutWorker(CFG, TOK, seed=3)
+    worker = EmbeddedEngine(CFG, TOK, seed=3)
     worker.load_weights(models[0].state_dict(), version=0)
     # stop tokens are not generated here, so every session runs its whole budget: 3 chunks of 2 tokens
     worker.stop_token_ids = set()
@@ -71,7 +71,7 @@ def test_resumed_across_two_weight_syncs_keeps_tokens_logprobs_and_tags_versions
 def test_without_chunks_a_response_is_one_version_and_the_same_sample():
     """No partial rollout: one request per response, tagged with the version that generated it, and the very
     tokens the plain generate call gives (the sync schedule's samples do not change)."""
-    a, b = RolloutWorker(CFG, TOK, seed=5), RolloutWorker(CFG, TOK, seed=5)
+    a, b = EmbeddedEngine(CFG, TOK, seed=5), EmbeddedEngine(CFG, TOK, seed=5)
     b.load_weights(a.model.state_dict(), version=7)
     params = {"temperature": 1.0, "max_tokens": 8}
     plain = asyncio.run(a.agenerate(PROMPT, params))

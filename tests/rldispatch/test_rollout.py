@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from backends.model.config import ModelConfig
 from backends.model.llama import LlamaModel
 from protocol.rollout.tokenizer import CharTokenizer
-from rldispatch.rollout import RolloutError, RolloutWorker, SamplingParams, run_to_end
+from backends.rollout import EmbeddedEngine, RolloutError, SamplingParams
+from rldispatch.rollout import run_to_end
 
 TOK = CharTokenizer()
 CFG = ModelConfig()
@@ -30,7 +31,7 @@ def recompute_logprobs(model: LlamaModel, prompt: list[int], response: list[int]
 
 
 def test_generate_logprobs_match_a_recompute_and_stop_at_eos():
-    w = RolloutWorker(CFG, TOK, seed=0)
+    w = EmbeddedEngine(CFG, TOK, seed=0)
     for temperature in (1.0, 0.7):
         ids, lps = w.generate(PROMPTS[0], {"temperature": temperature, "max_tokens": 12})
         assert 1 <= len(ids) <= 12 and len(lps) == len(ids)
@@ -40,7 +41,7 @@ def test_generate_logprobs_match_a_recompute_and_stop_at_eos():
 
 
 def test_eos_ends_generation():
-    w = RolloutWorker(CFG, TOK, seed=0)
+    w = EmbeddedEngine(CFG, TOK, seed=0)
     with torch.no_grad():  # make eos by far the most likely next token
         w.model.lm_head.weight.zero_()
         w.model.lm_head.weight[TOK.eos_token_id] = 1.0
@@ -50,11 +51,11 @@ def test_eos_ends_generation():
 
 
 def test_reproducible_from_seed_and_rank():
-    a = RolloutWorker(CFG, TOK, seed=3, rank=0).generate_batch(PROMPTS, {"max_tokens": 8})
-    b = RolloutWorker(CFG, TOK, seed=3, rank=0).generate_batch(PROMPTS, {"max_tokens": 8})
-    c = RolloutWorker(CFG, TOK, seed=3, rank=1).generate_batch(PROMPTS, {"max_tokens": 8})
+    a = EmbeddedEngine(CFG, TOK, seed=3, rank=0).generate_batch(PROMPTS, {"max_tokens": 8})
+    b = EmbeddedEngine(CFG, TOK, seed=3, rank=0).generate_batch(PROMPTS, {"max_tokens": 8})
+    c = EmbeddedEngine(CFG, TOK, seed=3, rank=1).generate_batch(PROMPTS, {"max_tokens": 8})
     assert a == b and a != c
-    w = RolloutWorker(CFG, TOK, seed=3)
+    w = EmbeddedEngine(CFG, TOK, seed=3)
     first = w.generate_batch(PROMPTS, {"max_tokens": 8})
     assert w.generate_batch(PROMPTS, {"max_tokens": 8}) != first  # the stream advances
     w.reseed(3, 0)
@@ -62,16 +63,16 @@ def test_reproducible_from_seed_and_rank():
 
 
 def test_greedy_ignores_the_seed_and_top_p_tiny_is_greedy():
-    g0 = RolloutWorker(CFG, TOK, seed=0).generate_batch(PROMPTS, {"temperature": 0.0, "max_tokens": 6})
-    g1 = RolloutWorker(CFG, TOK, seed=9).generate_batch(PROMPTS, {"temperature": 0.0, "max_tokens": 6})
-    tp = RolloutWorker(CFG, TOK, seed=5).generate_batch(PROMPTS, {"temperature": 1.0, "top_p": 1e-6,
+    g0 = EmbeddedEngine(CFG, TOK, seed=0).generate_batch(PROMPTS, {"temperature": 0.0, "max_tokens": 6})
+    g1 = EmbeddedEngine(CFG, TOK, seed=9).generate_batch(PROMPTS, {"temperature": 0.0, "max_tokens": 6})
+    tp = EmbeddedEngine(CFG, TOK, seed=5).generate_batch(PROMPTS, {"temperature": 1.0, "top_p": 1e-6,
                                                                    "max_tokens": 6})
     assert [t for t, _ in g0] == [t for t, _ in g1] == [t for t, _ in tp]
 
 
 def test_load_weights_syncs_the_policy():
     actor = LlamaModel.from_seed(CFG, seed=42)
-    w = RolloutWorker(CFG, TOK, seed=0)
+    w = EmbeddedEngine(CFG, TOK, seed=0)
     assert w.weights_version == 0
     w.load_weights(actor.state_dict())
     assert w.weights_version == 1
@@ -106,20 +107,20 @@ def test_sampling_params_validation():
 
 
 def test_bad_prompts_and_construction():
-    w = RolloutWorker(CFG, TOK)
+    w = EmbeddedEngine(CFG, TOK)
     with pytest.raises(RolloutError, match="prompt_ids is empty"):
         w.generate([])
     with pytest.raises(RolloutError, match=r"prompt token 1 is 500, expected an int in \[0, 128\)"):
         w.generate([1, 500])
     with pytest.raises(RolloutError, match="must be a list of token ids"):
         w.generate("abc")
-    small = RolloutWorker(ModelConfig(max_position_embeddings=8), TOK)
+    small = EmbeddedEngine(ModelConfig(max_position_embeddings=8), TOK)
     with pytest.raises(RolloutError, match="exceeds model.max_position_embeddings 8"):
         small.generate([1, 2, 3], {"max_tokens": 6})
     with pytest.raises(RolloutError, match="model_cfg"):
-        RolloutWorker({"vocab_size": 128}, TOK)
+        EmbeddedEngine({"vocab_size": 128}, TOK)
     with pytest.raises(RolloutError, match=r"128 tokens but the model's embedding has 64 rows \(model.vocab_size\)"):
-        RolloutWorker(ModelConfig(vocab_size=64), TOK)
+        EmbeddedEngine(ModelConfig(vocab_size=64), TOK)
     assert w.generate_batch([]) == []
 
 
@@ -128,19 +129,19 @@ def test_bad_prompts_and_construction():
 def test_agenerate_batches_concurrent_requests_like_generate_batch(n, max_tokens, seed):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     params = {"temperature": 1.0, "max_tokens": max_tokens}
-    w = RolloutWorker(CFG, TOK, seed=seed)
+    w = EmbeddedEngine(CFG, TOK, seed=seed)
 
     async def main():
         return await asyncio.gather(*[w.agenerate(p, params) for p in prompts])
 
     got = asyncio.run(main())
     assert w.batch_sizes == [n]  # one batched generate call for all requests of the tick
-    want = RolloutWorker(CFG, TOK, seed=seed).generate_batch(prompts, params)
+    want = EmbeddedEngine(CFG, TOK, seed=seed).generate_batch(prompts, params)
     assert [tuple(map(tuple, r)) for r in got] == [tuple(map(tuple, r)) for r in want]
 
 
 def test_agenerate_groups_by_sampling_params_and_truncates_budgets():
-    w = RolloutWorker(CFG, TOK, seed=1, max_batch_size=3)
+    w = EmbeddedEngine(CFG, TOK, seed=1, max_batch_size=3)
 
     async def main():
         hot = [w.agenerate(PROMPTS[0], {"temperature": 1.0, "max_tokens": m}) for m in (2, 5, 7, 7)]
@@ -154,7 +155,7 @@ def test_agenerate_groups_by_sampling_params_and_truncates_budgets():
 
 
 def test_agenerate_serves_requests_arriving_while_a_batch_runs():
-    w = RolloutWorker(CFG, TOK, seed=0)
+    w = EmbeddedEngine(CFG, TOK, seed=0)
 
     async def session(delay_ticks: int):
         for _ in range(delay_ticks):
@@ -171,7 +172,7 @@ def test_agenerate_serves_requests_arriving_while_a_batch_runs():
 
 
 def test_agenerate_error_reaches_every_waiter_and_worker_recovers():
-    w = RolloutWorker(CFG, TOK, seed=0)
+    w = EmbeddedEngine(CFG, TOK, seed=0)
     good = {k: v.clone() for k, v in w.model.state_dict().items()}
     w.load_weights({k: torch.full_like(v, math.nan) for k, v in good.items()})
 
@@ -187,7 +188,7 @@ def test_agenerate_error_reaches_every_waiter_and_worker_recovers():
 
 
 def test_agenerate_rejects_bad_input_before_queueing():
-    w = RolloutWorker(CFG, TOK)
+    w = EmbeddedEngine(CFG, TOK)
 
     async def main():
         await w.agenerate([], {"max_tokens": 3})
@@ -202,7 +203,7 @@ def test_single_turn_agent_loop_drives_the_worker():
     from protocol.store.keys import new_uid
     from protocol.store import LocalStore
 
-    w = RolloutWorker(CFG, TOK, seed=0)
+    w = EmbeddedEngine(CFG, TOK, seed=0)
     loop = build_agent_loop("single_turn", w.agenerate, TOK, max_response_length=6)
     store = LocalStore()
     uids = [new_uid() for _ in range(3)]

@@ -10,7 +10,7 @@ from backends.model.config import ModelConfig
 from backends.model.generate import generate
 from backends.model.llama import LlamaModel
 from protocol.rollout.tokenizer import CharTokenizer
-from rldispatch.rollout import RolloutError, RolloutWorker
+from backends.rollout import EmbeddedEngine, RolloutError
 
 CFG = ModelConfig()
 PROMPT = [1, 5, 20, 21, 22, 2, 6]
@@ -38,14 +38,14 @@ def test_generate_stops_at_any_of_several_ids(use_cache):
 
 def test_rollout_worker_stops_at_generation_config_eos(tmp_path):
     tok = CharTokenizer()
-    worker = RolloutWorker(CFG, tok, init_seed=1)
+    worker = EmbeddedEngine(CFG, tok, init_seed=1)
     free, _ = worker.generate(PROMPT, GREEDY)
     free = [t for t in free]
     assert tok.eos_token_id not in free[:-1]
     k = next(i for i, t in enumerate(free) if t not in free[:i] and t != tok.eos_token_id)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[k], tok.eos_token_id]}))
     cfg = ModelConfig(hf_path=str(tmp_path))
-    stopping = RolloutWorker(cfg, tok, init_seed=1)
+    stopping = EmbeddedEngine(cfg, tok, init_seed=1)
     with pytest.raises(RolloutError, match="no weights yet"):  # hf_path: uninitialised until the engine's weights
         stopping.generate(PROMPT, GREEDY)
     stopping.load_weights(worker.get_weights())
@@ -57,4 +57,4 @@ def test_rollout_worker_stops_at_generation_config_eos(tmp_path):
 def test_rollout_worker_refuses_stop_ids_outside_the_model(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [500]}))
     with pytest.raises(RolloutError, match=r"stop token ids \[500\].*128 embedding rows"):
-        RolloutWorker(ModelConfig(hf_path=str(tmp_path)), CharTokenizer())
+        EmbeddedEngine(ModelConfig(hf_path=str(tmp_path)), CharTokenizer())

@@ -18,31 +18,27 @@ SMALL = ["trainer.progress_bar=false", "trainer.tensorboard=false", "data.val_ba
 
 @pytest.mark.parametrize("overrides, fragment", [
     (["trainer.separate_async.rollout_ranks=0"], "trainer.separate_async.rollout_ranks"),
-    (["trainer.separate_async.parameter_sync_step=0"], "trainer.separate_async.parameter_sync_step"),
     (["trainer.separate_async.num_warmup_batches=-1"], "trainer.separate_async.num_warmup_batches"),
-    # the shipped config: 16 prompts a step, mini-batches of 8: a global step of 1 mini-batch does not fit
-    ([], r"data.train_batch_size=16 must equal trainer.separate_async.parameter_sync_step=1 x "
-         r"actor.ppo_mini_batch_size=8"),
-    (["trainer.separate_async.parameter_sync_step=3"], "parameter_sync_step=3"),
+    # the reference system's trigger_parameter_sync_step: here a global step is train_batch_size / mini-batch
+    (["trainer.separate_async.parameter_sync_step=2"], r"parameter_sync_step is not a key: .* set "
+                                                       r"data.train_batch_size = N x actor.ppo_mini_batch_size"),
 ])
 def test_separate_async_config_errors_name_the_keys(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(CONFIG, ["trainer.mode=separate_async", *overrides])
 
 
-def test_separate_async_config_accepts_a_whole_global_step():
-    cfg = load_config(CONFIG, ["trainer.mode=separate_async", "trainer.separate_async.parameter_sync_step=2"])
-    sa = cfg.trainer.separate_async
-    assert (sa.rollout_ranks, sa.parameter_sync_step, sa.num_warmup_batches) == (1, 2, 1)
-    assert load_config(CONFIG, ["trainer.mode=separate_async", "actor.ppo_mini_batch_size=16"])
+def test_separate_async_config_defaults():
+    sa = load_config(CONFIG, ["trainer.mode=separate_async"]).trainer.separate_async
+    assert (sa.rollout_ranks, sa.num_warmup_batches) == (1, 1)
 
 
 def test_separate_async_needs_a_training_rank(monkeypatch):
     """rollout_ranks must leave a training rank: checked against the launch's world when it is known."""
-    from rldispatch.separate import split_world
+    from rldispatch.separate.transport import split_world
     from tests.conftest import _free_port
 
-    cfg = load_config(CONFIG, ["trainer.mode=separate_async", "trainer.separate_async.parameter_sync_step=2",
+    cfg = load_config(CONFIG, ["trainer.mode=separate_async",
                                "trainer.dist_timeout_s=20", "trainer.device=cpu"])
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(_free_port())}.items():
@@ -77,7 +73,7 @@ def test_separate_async_one_rollout_rank_one_training_rank(process_tree, tmp_pat
                f"--master_port={_free_port()}", TRAIN, "--config", CONFIG, *SMALL,
                f"data.train_files=[{tmp_path}/data/train.parquet]", f"data.val_files=[{tmp_path}/data/val.parquet]",
                f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", f"trainer.resume={resume}",
-               "trainer.val_freq=0", "trainer.mode=separate_async", "trainer.separate_async.parameter_sync_step=2",
+               "trainer.val_freq=0", "trainer.mode=separate_async",
                "replay.max_off_policy_threshold=2", "rollout.partial_rollout_chunk=2", "data.max_response_length=12",
                "debug.weight_checksums=true"]
         proc = process_tree(cmd, timeout=300, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
@@ -87,7 +83,7 @@ def test_separate_async_one_rollout_rank_one_training_rank(process_tree, tmp_pat
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert r["replay/num_groups"] == 16 and r["samples/real"] == r["replay/num_trajectories"] == r["actor/seqs"]
-        assert r["actor/optimizer_steps"] == 2  # parameter_sync_step mini-batches, then one sync
+        assert r["actor/optimizer_steps"] == 2  # train_batch_size / ppo_mini_batch_size updates, then one sync
         assert 1 <= r["off_policy/span/min"] <= r["off_policy/span/max"] <= 2
         # every token was generated at or after its prompt's dispatch step: versions spanned <= the span
         assert r["off_policy/trajectory_spans/max"] <= r["off_policy/span/max"]
@@ -114,6 +110,36 @@ def test_separate_async_one_rollout_rank_one_training_rank(process_tree, tmp_pat
     assert saved <= set(second) | set(_logged(errs[1], "outstanding prompts ")[-1])
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_separate_async_groups_go_to_the_training_rank_that_owns_them(process_tree, tmp_path):
+    """2 training ranks (FSDP DP=2) + 1 rollout rank: each finished group travels from the rollout rank straight to
+    its owner (the reporting rank of DP replica i % 2 for a submission's prompt i), so both training ranks receive
+    half of the groups and none funnels through rank 0; both shut down with empty stores."""
+    from tests.conftest import _free_port
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", TRAIN, "--config", CONFIG, *SMALL,
+           f"data.train_files=[{tmp_path}/data/train.parquet]", f"data.val_files=[{tmp_path}/data/val.parquet]",
+           f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.val_freq=0", "trainer.save_freq=0",
+           "trainer.mode=separate_async", "debug.weight_checksums=true"]
+    proc = process_tree(cmd, timeout=300, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    got = [sum(r[f"async/groups_received/rank{k}"] for r in records) for k in (0, 1)]
+    # 16 prompts a step, dealt round robin over the 2 replicas: 8 groups each per submitted batch; the warm-up batch
+    # and the 3 steps' batches are 64 groups, of which at least the 48 trained arrived before shutdown
+    assert got[0] >= 24 and got[1] >= 24 and abs(got[0] - got[1]) <= 8, got
+    for r in records:
+        assert r["replay/num_groups"] == 16 and r["samples/real"] == r["replay/num_trajectories"]
+    syncs = [json.loads(line) for line in (run_dir / "weight_sync.jsonl").read_text().splitlines()]
+    trainer = sorted((s["version"], s["checksum"]) for s in syncs if s["side"] == "trainer")
+    assert trainer == sorted((s["version"], s["checksum"]) for s in syncs if s["side"] == "rollout")
+    assert "rollout rank 2 stopped:" in proc.stderr and ", 0 left" in proc.stderr
+
+
 def test_groups_travel_whole_and_unchanged():
     """What a rollout rank sends of its finished groups is what its store holds: jagged fields jagged, dense dense,
     every tag, bytes equal (fields of several dtypes, so their offsets in the payload are not aligned)."""
@@ -122,7 +148,7 @@ def test_groups_travel_whole_and_unchanged():
 
     from protocol.batch.nested import to_nested
     from protocol.store import LocalStore
-    from rldispatch.separate import _pack_groups, _unpack_fields
+    from rldispatch.separate.transport import pack_groups, unpack_fields
 
     store = LocalStore()
     keys = ["aa_0_0", "aa_1_0", "bb_0_0"]
@@ -135,11 +161,11 @@ def test_groups_travel_whole_and_unchanged():
     store.kv_batch_put(["aa", "bb", "cc"], "train", tags=[{"is_prompt": True, "status": "finished",
                                                            "global_steps": 3}] * 3)
     store.kv_batch_put(keys, "train", fields, tags=[{"response_len": n, "min_global_steps": 3} for n in lengths])
-    header, payload = _pack_groups(store, ["aa", "bb"])
+    header, payload = pack_groups(store, ["aa", "bb"])
     assert header["keys"] == keys and header["uids"] == ["aa", "bb"] and payload.numel() == header["nbytes"]
     assert header["tags"] == store.kv_batch_get_tags(keys, "train")
     assert header["prompt_tags"] == store.kv_batch_get_tags(["aa", "bb"], "train")
-    got = _unpack_fields(header, payload.clone())
+    got = unpack_fields(header, payload.clone())
     want = store.kv_batch_get(keys, "train", jagged=["responses", "rollout_log_probs"])
     assert set(got.keys()) == set(want.keys())
     for name in want.keys():
@@ -153,7 +179,7 @@ def test_mailbox_delivers_in_order_and_once():
     """Messages from one sender arrive in the order posted, each once; a poll with nothing new returns nothing."""
     import torch.distributed as dist
 
-    from rldispatch.separate import Mailbox
+    from rldispatch.separate.transport import Mailbox
 
     store = dist.HashStore()
     a, b, c = Mailbox(store, 0), Mailbox(store, 1), Mailbox(store, 2)

@@ -103,7 +103,7 @@ def test_nested_sample_ops_per_stage_do_not_grow_with_the_batch(one_rank, tmp_pa
 
 def test_overhead_fraction_counts_the_non_model_stages_only():
     """(sample + plan + reward + advantage + clear) / step; model stages and the step total are left out."""
-    from rldispatch.grpo import MODEL_STAGES, overhead_fraction
+    from rldispatch.metrics import MODEL_STAGES, overhead_fraction
 
     times = {f"timing_s/{s}": 1.0 for s in MODEL_STAGES}
     times.update({"timing_s/sample": 0.5, "timing_s/plan": 0.25, "timing_s/reward": 0.125,

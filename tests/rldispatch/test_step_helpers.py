@@ -1,7 +1,8 @@
 """Pure helpers of the GRPO step: step uids, batch rows, combining the optimizer steps' metrics."""
 from hypothesis import given, settings, strategies as st
 
-from rldispatch.grpo import batch_indices, combine_update_metrics, step_uids
+from rldispatch.metrics import combine_update_metrics
+from rldispatch.prompts import batch_indices, step_uids
 
 
 def test_step_uids_are_fresh_valid_and_reproducible():
