@@ -1,4 +1,4 @@
-"""The rollout worker: sampling, weight sync, reproducibility and batching of concurrent async requests."""
+"""The embedded rollout engine: sampling, weight sync, reproducibility and batching of concurrent async requests."""
 from __future__ import annotations
 
 import asyncio
