@@ -43,26 +43,23 @@ class CriticRole:
     """The critic's engine and its bridge to the store: values for the advantage, the value-loss update, its
     metrics and its checkpoint folder (``critic/`` beside the actor's)."""
 
-    def __init__(self, cfg: RunConfig, topology: Topology, world: int, store: Any):
+    def __init__(self, cfg: RunConfig, topology: Topology, store: Any):
         self.cfg, self.topology = cfg, topology
-        self.engine = build_critic_engine(cfg, topology, world)
+        self.engine = build_critic_engine(cfg, topology, topology.world_size)
         self.bridge = StoreBridge(self.engine, store)
+        self.dp_ranks = [topology.dp_rank(r) for r in range(topology.world_size)]  # of every store rank
+        self.dp_rank = self.dp_ranks[store.rank]
 
     def infer_values(self, st: StepState) -> None:
         """The value of every response token, on the inference share the log-probs used (no new fetch)."""
-        dp_rank = self.topology.dp_rank(self.bridge.store.rank)
-        self.bridge.infer(st.mine, st.plan.infer_micro_batches(dp_rank), outputs={"values": "values"},
+        self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank), outputs={"values": "values"},
                           data=st.infer_inputs)
 
     def update(self, full: KVBatchMeta, st: StepState) -> list[dict[str, float]]:
         """The value loss over the actor's mini- and micro-batches (ppo_epochs x mini-batches, one optimizer step
         each); the engine's metrics of each."""
-        world = self.bridge.store.world
-        shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(world)]
-        mine = st.plan.mini_batches(self.topology.dp_rank(self.bridge.store.rank))
-        return [self.bridge.train(mb.meta(full), mb.micro_batches, fields=CRITIC_FIELDS,
-                                  wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares])
-                for i, mb in enumerate(mine)]
+        return [self.bridge.train(mb.meta(full), mb.micro_batches, fields=CRITIC_FIELDS, wants=wants)
+                for mb, wants in st.plan.train_shares(self.dp_ranks, self.dp_rank)]
 
     @staticmethod
     def value_metrics(values: torch.Tensor, returns: torch.Tensor, real: torch.Tensor, stats: StepStats) -> None:

@@ -78,7 +78,8 @@ class GRPOTrainer:
         claim_run_dir(self.run_dir, cfg.trainer, is_main=ctx.is_main)  # refuse another run's folder (every rank)
         dist.barrier()
         self.topology = Topology.from_config(cfg.actor.parallel, ctx.world)
-        self.dp_rank = self.topology.dp_rank(ctx.rank)
+        self.dp_ranks = [self.topology.dp_rank(r) for r in range(ctx.world)]  # of every rank
+        self.dp_rank = self.dp_ranks[ctx.rank]
         self.reporting = self.topology.is_reporting(ctx.rank)
         batch_settings(cfg, self.topology, step=0).check(self.topology)  # refuse undividable batches before rollout
         self.tokenizer = load_tokenizer(resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
@@ -90,7 +91,7 @@ class GRPOTrainer:
         self.ref_engine = build_reference(cfg.actor.backend, engine_cls, cfg.engine_config(), self.topology,
                                           self.engine) if cfg.ref.enabled else None
         self.store = ShardedStore(LocalStore(), device=ctx.device)
-        self.critic = CriticRole(cfg, self.topology, ctx.world, self.store) if cfg.critic.enabled else None
+        self.critic = CriticRole(cfg, self.topology, self.store) if cfg.critic.enabled else None
         self.bridge = StoreBridge(self.engine, self.store)
         self.ref_bridge = StoreBridge(self.ref_engine, self.store) if self.ref_engine is not None else None
 
@@ -100,8 +101,9 @@ class GRPOTrainer:
         partial = cfg.rollout.partial_rollout if cfg.rollout.partial_rollout is not None else \
             schedule_cls.partial_rollout
         # in separate_async the training ranks generate only validation (round robin, as in the other modes)
+        holders = [self.topology.reporting_rank(d) for d in range(self.topology.dp_size)]
         self.rollout = LocalRollout(cfg, engine, self.tokenizer, self.store, partial=partial, rank=self.dp_rank,
-                                    dp_rank=self.dp_rank, dp_size=self.topology.dp_size, generates=self.reporting)
+                                    holders=holders, me=ctx.rank)
         self.stream = PromptStream(self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
         # only the stop token that ended the response is dropped; other special tokens stay in the decoded text:
         # a scorer that never saw them would let the policy pad its answer with <|pad|> and still score full marks
@@ -125,8 +127,6 @@ class GRPOTrainer:
         if resumed is not None:
             self._resume(resumed)
         engine.load_weights(self.engine.get_weights(), version=self.step)  # version = the step it serves
-        holders = [min(r for r in range(ctx.world) if self.topology.dp_rank(r) == d and self.topology.is_reporting(r))
-                   for d in range(self.topology.dp_size)]
         seams = Seams(cfg, self.stream, self.store, self.rollout, self.engine.get_weights, holders, link=ctx.link)
         self.schedule = schedule_cls(seams, self.step)
         self.schedule.restore(resumed.extra.get("schedule") if resumed is not None else None)
@@ -339,14 +339,12 @@ class GRPOTrainer:
 
     def _update_actor(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         if self.critic is None or st.step >= self.cfg.critic.warmup_steps:  # the critic's warm-up: no update
-            shares = [st.plan.mini_batches(self.topology.dp_rank(r)) for r in range(self.store.world)]
             use_is = self.cfg.algorithm.rollout_correction.rollout_is is not None
             with st.compute.region("update"):
                 updates = [self.bridge.train(mb.meta(full), mb.micro_batches,
-                                             use_kl_loss=self.cfg.actor.loss.use_kl_loss,
-                                             wants=[st.plan.keys_of(of_rank[i].indices) for of_rank in shares],
+                                             use_kl_loss=self.cfg.actor.loss.use_kl_loss, wants=wants,
                                              use_is_weights=use_is)
-                           for i, mb in enumerate(st.plan.mini_batches(self.dp_rank))]
+                           for mb, wants in st.plan.train_shares(self.dp_ranks, self.dp_rank)]
             st.metrics.update(combine_update_metrics(updates))
         self._sample_metrics(st.own, st.own_pad, st.stats)
         return full
@@ -414,9 +412,8 @@ class GRPOTrainer:
     def _infer_wants(self, st: StepState, reporting_only: bool = False) -> list[list[str]]:
         """Every store rank's keys of its inference share (index = rank), from the replicated plan, for a planned
         fetch (only the replicas' reporting ranks ask, with ``reporting_only``)."""
-        topo = self.topology
-        return [st.plan.infer_keys(topo.dp_rank(r)) if not reporting_only or topo.is_reporting(r) else []
-                for r in range(self.store.world)]
+        return [st.plan.infer_keys(d) if not reporting_only or self.topology.is_reporting(r) else []
+                for r, d in enumerate(self.dp_ranks)]
 
     def _padding_flags(self, keys: list[str], full: KVBatchMeta) -> torch.Tensor:
         """``is_padding`` of each of ``keys``, from the step's replicated tags in ``full``."""

@@ -106,6 +106,13 @@ class StepPlan:
     def mini_batches(self, dp_rank: int) -> list[MiniBatchShare]:
         return [MiniBatchShare(mb.indices, mb.micro_batches) for mb in self.train.ranks[dp_rank].mini_batches]
 
+    def train_shares(self, dp_ranks: Sequence[int], dp_rank: int) -> list[tuple[MiniBatchShare, list[list[str]]]]:
+        """``dp_rank``'s mini-batches in order, each with the keys every store rank ``r`` (DP rank ``dp_ranks[r]``)
+        trains on in the same optimizer step: the ``wants`` of its planned fetch."""
+        shares = [self.mini_batches(d) for d in dp_ranks]
+        return [(mb, [self.keys_of(of_rank[i].indices) for of_rank in shares])
+                for i, mb in enumerate(self.mini_batches(dp_rank))]
+
 
 #: a plan piece's fixed cost in samples: on this project's 2-core CPU machine one of 128 samples took 0.54 ms and
 #: its setup alone about 0.45 ms, so small pieces weigh about twice their samples

@@ -12,9 +12,12 @@ from protocol.rollout.agent_loop import build_agent_loop, builtin_tools, run_gro
 from rldispatch.config import RunConfig
 from rldispatch.faults import FaultInjectingLoop, fails
 
-__all__ = ["LocalRollout", "run_to_end", "session_kwargs", "TRAIN", "VAL"]
+__all__ = ["LocalRollout", "run_to_end", "session_kwargs", "prompt_owners", "TRAIN", "VAL", "DRIVE_SLICE_S"]
 
 TRAIN, VAL = "train", "val"
+#: how long an asynchronous schedule lets generation run between two looks at what finished (each look may be a
+#: sync or a mailbox poll)
+DRIVE_SLICE_S = 0.02
 
 
 def run_to_end(loop: asyncio.AbstractEventLoop, coro: Any, cancel_left: bool = True) -> Any:
@@ -29,6 +32,12 @@ def run_to_end(loop: asyncio.AbstractEventLoop, coro: Any, cancel_left: bool = T
             task.cancel()
         if left:
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+
+
+def prompt_owners(count: int, holders: Sequence[int]) -> list[int]:
+    """The rank that generates (or, in separate_async, receives) and holds prompt ``i`` of a submission of ``count``:
+    the reporting rank of DP replica ``i % DP`` (``holders``: each replica's reporting rank, in DP order)."""
+    return [holders[i % len(holders)] for i in range(count)]
 
 
 def session_kwargs(cfg: RunConfig, rows: Sequence[dict], uids: Sequence[str], partition: str) -> list[dict]:
@@ -51,14 +60,13 @@ class LocalRollout:
     running), ``drive`` lets running ones advance, ``cancel`` ends them.
 
     ``partial``: a response is generated ``rollout.partial_rollout_chunk`` tokens at a time, so a weight sync between
-    chunks makes the rest use the new weights (partial rollout). ``rank`` seeds the sampling stream; ``dp_rank`` /
-    ``dp_size`` / ``generates`` say which prompts of a submission this rank generates (:meth:`mine`): round robin
-    over the DP replicas' reporting ranks."""
+    chunks makes the rest use the new weights (partial rollout). ``rank`` seeds the sampling stream; ``holders`` and
+    ``me`` (this rank) say which prompts of a submission this rank generates (:meth:`mine`, :func:`prompt_owners`)."""
 
     def __init__(self, cfg: RunConfig, engine: RolloutEngine, tokenizer: Any, store: Any, *, partial: bool,
-                 rank: int = 0, dp_rank: int = 0, dp_size: int = 1, generates: bool = True):
+                 rank: int = 0, holders: Sequence[int] = (0,), me: int = 0):
         self.cfg, self.engine, self.store, self.rank = cfg, engine, store, rank
-        self.dp_rank, self.dp_size, self.generates = dp_rank, dp_size, generates
+        self.holders, self.me = list(holders), me
         self.loop = asyncio.new_event_loop()
         kwargs = {"max_turns": cfg.rollout.max_turns, "tools": builtin_tools()} \
             if cfg.rollout.agent_loop == "tool" else {}
@@ -100,7 +108,7 @@ class LocalRollout:
 
     def mine(self, count: int) -> list[int]:
         """Positions of a submission's prompts this rank generates."""
-        return [i for i in range(count) if i % self.dp_size == self.dp_rank] if self.generates else []
+        return [i for i, owner in enumerate(prompt_owners(count, self.holders)) if owner == self.me]
 
     def submit_share(self, rows: Sequence[dict], uids: Sequence[str], partition: str, step: int, *,
                      seed_batch: int | None, wait: bool = True, cancel_left: bool = True) -> list[int]:

@@ -132,7 +132,8 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     t.cfg, t.ctx = cfg, DistContext(rank, world, torch.device("cpu"))
     t.run_dir = Path(cfg.trainer.run_dir)
     t.topology = Topology.from_config(cfg.actor.parallel, world)
-    t.dp_rank, t.reporting = t.topology.dp_rank(rank), t.topology.is_reporting(rank)
+    t.dp_ranks = [t.topology.dp_rank(r) for r in range(world)]
+    t.dp_rank, t.reporting = t.dp_ranks[rank], t.topology.is_reporting(rank)
     t.tokenizer = load_tokenizer(resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
     t.train_set = RLHFDataset(cfg.data.train_files, t.tokenizer, cfg.data.max_prompt_length,
                               prompt_key=cfg.data.prompt_key)
@@ -141,8 +142,9 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     t.critic = None  # no critic: the GRPO step
     engine = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer),
                               pool=size)
-    t.rollout = LocalRollout(cfg, engine, t.tokenizer, t.store, partial=False, rank=t.dp_rank, dp_rank=t.dp_rank,
-                             dp_size=t.topology.dp_size, generates=t.reporting)
+    holders = [t.topology.reporting_rank(d) for d in range(t.topology.dp_size)]
+    t.rollout = LocalRollout(cfg, engine, t.tokenizer, t.store, partial=False, rank=t.dp_rank, holders=holders,
+                             me=rank)
     t.stream = PromptStream(t.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     t.reward_manager = build_reward_manager(
         cfg.reward, cfg.custom_reward_function,
@@ -154,7 +156,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
     t.gc = StepGC(cfg.trainer.gc_interval)  # started by the caller, as fit() does
     t.step = 0
     # trainer.mode=sync: generate the step's prompts, then train on them
-    t.schedule = SyncSchedule(Seams(cfg, t.stream, t.store, t.rollout, lambda: {}, list(range(world))), 0)
+    t.schedule = SyncSchedule(Seams(cfg, t.stream, t.store, t.rollout, lambda: {}, holders), 0)
     return t
 
 

@@ -100,6 +100,10 @@ class EmbeddedEngine:
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Copy full weights in the project's model layout into the rollout model (names and shapes must match)."""
+        self._copy_in(state_dict, version)
+        self._base = None  # adapters now apply on these
+
+    def _copy_in(self, state_dict: Mapping[str, torch.Tensor], version: int | None) -> None:
         own = self.model.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
@@ -116,7 +120,6 @@ class EmbeddedEngine:
                 own[name].copy_(t.detach().to(device=own[name].device, dtype=own[name].dtype))
         self.weights_version = self.weights_version + 1 if version is None else int(version)
         self._has_weights = True
-        self._base = None
 
     def load_adapters(self, adapters: Mapping[str, torch.Tensor], scale: float, version: int | None = None) -> None:
         """LoRA adapters (``<module>.lora_A`` / ``.lora_B`` pairs) on the last full weights: every adapted weight
@@ -133,9 +136,7 @@ class EmbeddedEngine:
             merged = merge_adapters({**self._base, **adapters}, float(scale))
         except KeyError as exc:
             raise RolloutError(f"load_adapters: {exc.args[0]}") from None
-        base = self._base
-        self.load_weights(merged, version=version)
-        self._base = base
+        self._copy_in(merged, version)
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
         """The dtype each weight is held in (a sender casts to these)."""

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from protocol.rollout.agent_loop import register_prompts
 from protocol.store.meta import KVBatchMeta
-from rldispatch.rollout import TRAIN
+from rldispatch.rollout import DRIVE_SLICE_S, TRAIN
 from rldispatch.schedules.base import register_schedule
 from rldispatch.schedules.streaming import StreamingSchedule
 from rldispatch.step_state import StepState
 
-__all__ = ["ColocateAsyncSchedule", "DRIVE_SLICE_S"]
-
-#: how long the sample stage lets generation run between two looks at the replay buffer (each look is a sync)
-DRIVE_SLICE_S = 0.02
+__all__ = ["ColocateAsyncSchedule"]
 
 
 @register_schedule
@@ -28,11 +25,9 @@ class ColocateAsyncSchedule(StreamingSchedule):
     keeps_generating = True
 
     def _submit(self, rows: list[dict], uids: list[str], step: int, seed_batch: int | None) -> None:
-        rollout = self.seams.rollout
-        mine = rollout.mine(len(rows))
-        if mine:  # pending tags at once, so the buffer counts them in flight before their sessions start
+        mine = self.seams.rollout.submit_share(rows, uids, TRAIN, step, seed_batch=seed_batch, wait=False)
+        if mine:  # pending tags at once (no session runs before the loop is driven): the buffer counts them in flight
             register_prompts(self.seams.store, [uids[i] for i in mine], step, TRAIN)
-        rollout.submit_share(rows, uids, TRAIN, step, seed_batch=seed_batch, wait=False)
 
     def _idle(self, _poll: float) -> None:
         self.generating_s += self.seams.rollout.drive(DRIVE_SLICE_S)

@@ -19,7 +19,7 @@ import torch
 
 from protocol.rollout.agent_loop import register_prompts
 from protocol.store.errors import LateWriteError
-from rldispatch.rollout import TRAIN, session_kwargs
+from rldispatch.rollout import TRAIN, prompt_owners, session_kwargs
 from rldispatch.schedules.base import Seams, register_schedule
 from rldispatch.schedules.streaming import StreamingSchedule
 from rldispatch.separate.transport import (POLL_S, Mailbox, Split, broadcast_weights, flat_weights, record_checksum,
@@ -54,8 +54,7 @@ class SeparateAsyncSchedule(StreamingSchedule):
 
     # ---- submission ---------------------------------------------------------------------------------------------
     def _submit(self, rows: list[dict], uids: list[str], step: int, seed_batch: int | None) -> None:
-        holders = self.seams.holders
-        owners = [holders[i % len(holders)] for i in range(len(uids))]
+        owners = prompt_owners(len(uids), self.seams.holders)
         mine = [u for u, o in zip(uids, owners) if o == self.split.rank]
         if mine:  # pending tags where the groups will be, so the buffer counts them in flight at once
             register_prompts(self.seams.store, mine, step, TRAIN)

@@ -13,15 +13,13 @@ from protocol.rollout.tokenizer import load_tokenizer, resolve_tokenizer
 from protocol.store import LocalStore
 from protocol.store.keys import is_prompt_key
 from rldispatch.config import RunConfig
-from rldispatch.rollout import TRAIN, LocalRollout
+from rldispatch.rollout import DRIVE_SLICE_S, TRAIN, LocalRollout
 from rldispatch.separate.transport import (HEARTBEAT_S, POLL_S, TERMINAL, Mailbox, Split, pack_groups,
                                            receive_weights, record_checksum, weights_checksum)
 
-__all__ = ["RolloutRank", "DRIVE_SLICE_S"]
+__all__ = ["RolloutRank"]
 
 logger = logging.getLogger(__name__)
-#: how long the rank lets generation run between two looks at its mailbox
-DRIVE_SLICE_S = 0.02
 
 
 class RolloutRank:

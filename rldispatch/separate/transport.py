@@ -71,10 +71,6 @@ class Split:
         return 0 if self.role == "train" else 1 + self.rank - self.train_ranks
 
     @property
-    def rollout_ranks(self) -> int:
-        return self.world - self.train_ranks
-
-    @property
     def rollout_globals(self) -> list[int]:
         """The rollout ranks' global ranks (their bridge and mailbox addresses)."""
         return list(range(self.train_ranks, self.world))
