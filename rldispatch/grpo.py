@@ -96,12 +96,13 @@ class GRPOTrainer:
         self.ref_bridge = StoreBridge(self.ref_engine, self.store) if self.ref_engine is not None else None
 
         schedule_cls = schedule_class(cfg.trainer.mode)
-        engine = build_rollout_engine(cfg.rollout.engine, cfg.model, self.tokenizer, device=ctx.device,
-                                      seed=cfg.trainer.seed, rank=self.dp_rank)
-        partial = cfg.rollout.partial_rollout if cfg.rollout.partial_rollout is not None else \
-            schedule_cls.partial_rollout
         # in separate_async the training ranks generate only validation (round robin, as in the other modes)
         holders = [self.topology.reporting_rank(d) for d in range(self.topology.dp_size)]
+        engine = build_rollout_engine(cfg.rollout.engine, cfg.model, self.tokenizer, device=ctx.device,
+                                      seed=cfg.trainer.seed, rank=self.dp_rank, generates=ctx.rank in holders,
+                                      options=cfg.rollout)
+        partial = cfg.rollout.partial_rollout if cfg.rollout.partial_rollout is not None else \
+            schedule_cls.partial_rollout
         self.rollout = LocalRollout(cfg, engine, self.tokenizer, self.store, partial=partial, rank=self.dp_rank,
                                     holders=holders, me=ctx.rank)
         self.stream = PromptStream(self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
@@ -380,6 +381,9 @@ class GRPOTrainer:
         CriticRole.finish_metrics(m)
         corr = {k[len("rollout_corr/_"):]: m.pop(k) for k in [k for k in m if k.startswith("rollout_corr/_")]}
         m.update(correction_metrics(corr))
+        for stat in ("mean", "max"):  # the reference system's names
+            if f"training/rollout_probs_diff/{stat}" in m:
+                m[f"training/rollout_probs_diff_{stat}"] = m.pop(f"training/rollout_probs_diff/{stat}")
         if isinstance(self.kl_ctrl, AdaptiveKLController) and "kl/mean" in m:
             self.kl_ctrl.update(m["kl/mean"], n_steps=self.cfg.data.train_batch_size)
         m["kl/coef"] = float(self.kl_ctrl.value)

@@ -149,4 +149,6 @@ class LocalRollout:
         return len(left)
 
     def close(self) -> None:
+        """Release the engine (a server process, for an inference engine) and the event loop."""
+        self.engine.close()
         self.loop.close()

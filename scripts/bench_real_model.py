@@ -215,19 +215,28 @@ def main(argv: list[str] | None = None) -> int:
                  ("train tokens/s: transformers padded fwd+bwd", f"{tokens / sh:.1f}",
                   f"{flops / sh / 1e9:.1f} GFLOP/s; {padded - tokens} pad tokens of {padded}"),
                  ("train ratio (project / transformers)", f"{sh / so:.2f}x", "")]
-    width = max(len(r[0]) for r in rows)
-    print(f"{args.model}: {args.rows} rows x {args.new_tokens} new tokens, {torch.get_num_threads()} thread, "
-          f"{report['clock']} time")
-    for name, value, note in rows:
-        print(f"  {name:<{width}}  {value:>12}  {note}")
+    print_table(f"{args.model}: {args.rows} rows x {args.new_tokens} new tokens, {torch.get_num_threads()} thread, "
+                f"{report['clock']} time", rows)
     if args.profile:
         ours.eval()
         report["profile"] = profile_decode(ours, prompts, args.new_tokens)
         print(report["profile"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write_json(report, args.out)
     return 0
+
+
+def print_table(title: str, rows: list[tuple[str, str, str]]) -> None:
+    """``title``, then one line per (name, value, note) row, names and values aligned."""
+    width = max(len(r[0]) for r in rows)
+    print(title)
+    for name, value, note in rows:
+        print(f"  {name:<{width}}  {value:>12}  {note}")
+
+
+def write_json(report: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def _explore_factor() -> int:
 
 
 #: what the checkout may gain while the suite runs (caches and the environment, never a run's outputs)
-_SCRATCH_PARTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis"}
+_SCRATCH_PARTS = {".git", ".venv", ".venv-vllm", "__pycache__", ".pytest_cache", ".hypothesis"}
 
 
 def checkout_files(root: Path = REPO) -> dict[str, tuple[int, int]]:

@@ -14,10 +14,9 @@ from backends.model.config import ModelConfig
 from backends.model.generate import generate as batched_generate
 from backends.model.llama import LlamaModel
 from backends.model.lora import is_adapter_name, merge_adapters
-from backends.rollout.engine import RolloutError, SamplingParams, register_rollout_engine
+from backends.rollout.engine import (RolloutError, SamplingParams, check_fits, check_prompt, engine_stop_ids,
+                                     register_rollout_engine)
 from protocol.rollout.agent_loop.base import Generated
-from protocol.rollout.tokenizer import (TokenizerError, VocabularyError, check_vocab_fits, generation_stop_ids,
-                                        stop_token_ids)
 
 __all__ = ["EmbeddedEngine"]
 
@@ -50,18 +49,7 @@ class EmbeddedEngine:
                  rank: int = 0, max_batch_size: int | None = None, init_seed: int = 0):
         if not isinstance(model_cfg, ModelConfig):
             raise RolloutError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
-        if getattr(tokenizer, "vocab_size", None) is None or getattr(tokenizer, "eos_token_id", None) is None:
-            raise RolloutError("tokenizer must provide vocab_size and eos_token_id")
-        try:
-            # the tokenizer's own stop ids plus the checkpoint's generation_config.json EOS ids
-            self.stop_token_ids = stop_token_ids(tokenizer) | generation_stop_ids(model_cfg.hf_path)
-            check_vocab_fits(tokenizer, model_cfg.vocab_size)
-            outside = sorted(i for i in self.stop_token_ids if i >= model_cfg.vocab_size)
-            if outside:
-                raise VocabularyError(f"stop token ids {outside} of {model_cfg.hf_path}/generation_config.json are "
-                                      f"outside the model's {model_cfg.vocab_size} embedding rows")
-        except (TokenizerError, VocabularyError) as exc:
-            raise RolloutError(str(exc)) from exc
+        self.stop_token_ids = engine_stop_ids(model_cfg, tokenizer)
         if max_batch_size is not None and max_batch_size < 1:
             raise RolloutError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
         self.model_cfg = model_cfg
@@ -165,31 +153,14 @@ class EmbeddedEngine:
             self.model.to(self.device)
         self._asleep = False
 
+    def close(self) -> None:
+        """Nothing to release: the model is this process's memory."""
+
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the rollout weights (for checks that the sync happened)."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     # ------------------------------------------------------------------------------------------- sampling
-    def _check_prompt(self, prompt_ids: Sequence[int], where: str) -> list[int]:
-        if hasattr(prompt_ids, "tolist"):
-            prompt_ids = prompt_ids.tolist()
-        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
-            raise RolloutError(f"{where}: prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-        ids = list(prompt_ids)
-        if not ids:
-            raise RolloutError(f"{where}: prompt_ids is empty; a prompt needs at least one token")
-        vocab = self.model_cfg.vocab_size
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise RolloutError(f"{where}: prompt token {i} is {t!r}, expected an int in [0, {vocab})")
-        return ids
-
-    def _check_fits(self, prompt: list[int], params: SamplingParams, where: str) -> None:
-        limit = self.model_cfg.max_position_embeddings
-        if len(prompt) + params.max_tokens > limit:
-            raise RolloutError(f"{where}: prompt_len {len(prompt)} + max_tokens {params.max_tokens} exceeds "
-                               f"model.max_position_embeddings {limit}")
-
     def generate_batch(self, prompts: Sequence[Sequence[int]],
                        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
                        ) -> list[tuple[list[int], list[float]]]:
@@ -197,9 +168,9 @@ class EmbeddedEngine:
         if self._paused:
             raise RolloutError("the rollout engine is paused; resume() it before generating")
         params = SamplingParams.from_any(sampling_params)
-        checked = [self._check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        checked = [check_prompt(p, self.model_cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
         for i, p in enumerate(checked):
-            self._check_fits(p, params, f"prompt {i}")
+            check_fits(p, params, self.model_cfg.max_position_embeddings, f"prompt {i}")
         if not checked:
             return []
         return self._run([_Request(p, params, None) for p in checked])  # type: ignore[arg-type]
@@ -249,8 +220,8 @@ class EmbeddedEngine:
         paused no batch starts; requests wait, and run with whatever weights are loaded when it resumes.
         """
         params = SamplingParams.from_any(sampling_params)
-        prompt = self._check_prompt(prompt_ids, "agenerate")
-        self._check_fits(prompt, params, "agenerate")
+        prompt = check_prompt(prompt_ids, self.model_cfg.vocab_size, "agenerate")
+        check_fits(prompt, params, self.model_cfg.max_position_embeddings, "agenerate")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append(_Request(prompt, params, fut))
@@ -290,5 +261,5 @@ class EmbeddedEngine:
 
 @register_rollout_engine("embedded")
 def _build(model_cfg: ModelConfig, tokenizer: Any, *, device: str | torch.device = "cpu", seed: int = 0,
-           rank: int = 0) -> EmbeddedEngine:
+           rank: int = 0, generates: bool = True, options: Any = None) -> EmbeddedEngine:
     return EmbeddedEngine(model_cfg, tokenizer, device=device, seed=seed, rank=rank)

@@ -17,7 +17,8 @@ import torch
 
 from protocol.rollout.agent_loop.base import Generated
 
-__all__ = ["RolloutError", "SamplingParams", "RolloutEngine", "register_rollout_engine", "ENGINES"]
+__all__ = ["RolloutError", "SamplingParams", "RolloutEngine", "register_rollout_engine", "ENGINES", "engine_stop_ids",
+           "check_prompt", "check_fits"]
 
 
 class RolloutError(ValueError):
@@ -81,6 +82,7 @@ class RolloutEngine(Protocol):
       ``load_adapters``: LoRA adapters applied on the last full weights (``W + scale * B @ A``).
     * ``sleep`` / ``wake``: release the memory generation holds while the trainer works, and take it back.
     * ``reseed``: restart the sampling stream (the same requests in the same order then draw the same tokens).
+    * ``close``: release what the engine holds (a server process, temporary files).
     """
 
     stop_token_ids: frozenset[int]
@@ -106,8 +108,53 @@ class RolloutEngine(Protocol):
 
     def reseed(self, seed: int, rank: int | None = None) -> None: ...
 
+    def close(self) -> None: ...
 
-#: rollout.engine name -> builder(model_cfg, tokenizer, *, device, seed, rank) -> RolloutEngine
+
+def engine_stop_ids(model_cfg: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a response: the tokenizer's own stop ids plus the checkpoint's generation_config.json EOS
+    ids, each checked to be a row of the model's embedding."""
+    from protocol.rollout.tokenizer import (TokenizerError, VocabularyError, check_vocab_fits, generation_stop_ids,
+                                            stop_token_ids)
+    if getattr(tokenizer, "vocab_size", None) is None or getattr(tokenizer, "eos_token_id", None) is None:
+        raise RolloutError("tokenizer must provide vocab_size and eos_token_id")
+    try:
+        stops = stop_token_ids(tokenizer) | generation_stop_ids(model_cfg.hf_path)
+        check_vocab_fits(tokenizer, model_cfg.vocab_size)
+        outside = sorted(i for i in stops if i >= model_cfg.vocab_size)
+        if outside:
+            raise VocabularyError(f"stop token ids {outside} of {model_cfg.hf_path}/generation_config.json are "
+                                  f"outside the model's {model_cfg.vocab_size} embedding rows")
+    except (TokenizerError, VocabularyError) as exc:
+        raise RolloutError(str(exc)) from exc
+    return stops
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int, where: str) -> list[int]:
+    """``prompt_ids`` as a list of ints in ``[0, vocab_size)``; anything else is an error naming ``where``."""
+    if hasattr(prompt_ids, "tolist"):
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise RolloutError(f"{where}: prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
+    ids = list(prompt_ids)
+    if not ids:
+        raise RolloutError(f"{where}: prompt_ids is empty; a prompt needs at least one token")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise RolloutError(f"{where}: prompt token {i} is {t!r}, expected an int in [0, {vocab_size})")
+    return ids
+
+
+def check_fits(prompt: Sequence[int], params: SamplingParams, limit: int, where: str) -> None:
+    """The prompt and its longest response fit ``limit`` (model.max_position_embeddings) positions."""
+    if len(prompt) + params.max_tokens > limit:
+        raise RolloutError(f"{where}: prompt_len {len(prompt)} + max_tokens {params.max_tokens} exceeds "
+                           f"model.max_position_embeddings {limit}")
+
+
+#: rollout.engine name -> builder(model_cfg, tokenizer, *, device, seed, rank, generates, options) -> RolloutEngine;
+#: ``generates`` is false on a rank that never generates (it only follows the weight versions); ``options`` is
+#: the run's ``rollout`` config section (an engine reads its own subsection)
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 
 

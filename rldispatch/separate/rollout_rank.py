@@ -35,7 +35,7 @@ class RolloutRank:
         self.owner: dict[str, int] = {}  # uid -> the training rank its group goes to
         tokenizer = load_tokenizer(resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
         engine = build_rollout_engine(cfg.rollout.engine, cfg.model, tokenizer, device=split.device,
-                                      seed=cfg.trainer.seed, rank=self.index)
+                                      seed=cfg.trainer.seed, rank=self.index, options=cfg.rollout)
         self.store = LocalStore()
         self.rollout = LocalRollout(cfg, engine, tokenizer, self.store, rank=self.index,
                                     partial=cfg.rollout.partial_rollout is not False)

@@ -28,8 +28,8 @@ def test_the_embedded_engine_is_a_registered_rollout_engine():
     assert "embedded" in rollout_engines()
     engine = build_rollout_engine("embedded", CFG, TOK, seed=0)
     assert isinstance(engine, EmbeddedEngine) and isinstance(engine, RolloutEngine)
-    with pytest.raises(RolloutError, match=r"rollout.engine='vllm' is not a registered rollout engine; known: "):
-        build_rollout_engine("vllm", CFG, TOK)
+    with pytest.raises(RolloutError, match=r"rollout.engine='sglang' is not a registered rollout engine; known: "):
+        build_rollout_engine("sglang", CFG, TOK)
 
 
 def test_a_builder_whose_engine_lacks_verbs_is_refused():
