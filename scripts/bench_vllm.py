@@ -80,7 +80,7 @@ def _embedded_generate(engine, prompts, new_tokens: int):
 
 
 def bench_rollout(args, report: dict, rows: list) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from backends.model.hf import load_hf_checkpoint
     from backends.rollout import EmbeddedEngine, VllmConfig, VllmEngine
@@ -92,23 +92,24 @@ def bench_rollout(args, report: dict, rows: list) -> None:
     cfg, weights = ours.cfg, ours.state_dict()
     theirs = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     theirs.to(device).eval()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    prompts = _prompts(tok, args.rows, seed=0)
+    hf_tok = AutoTokenizer.from_pretrained(args.model)
+    pad = hf_tok.pad_token_id if hf_tok.pad_token_id is not None else 0
+    prompts = _prompts(hf_tok, args.rows, seed=0)
     report["prompt_tokens"] = [len(p) for p in prompts]
 
     embedded = EmbeddedEngine(cfg, tok, device=device, seed=0)
     embedded.load_weights(weights, version=1)
     embedded.stop_token_ids = frozenset()  # fixed-length responses in every engine
-    t0 = time.perf_counter()
-    vllm = VllmEngine(cfg, tok, VllmConfig(python=args.vllm_python, threads=args.vllm_threads, dtype=args.vllm_dtype,
-                                           enforce_eager=args.enforce_eager), device=device, seed=0)
-    report["vllm_startup_s"] = time.perf_counter() - t0
+    eager = {"auto": None, "true": True, "false": False}[args.enforce_eager]
+    vllm = VllmEngine(cfg, tok, VllmConfig(python=args.vllm_python, threads=args.threads, dtype=args.vllm_dtype,
+                                           enforce_eager=eager), device=device, seed=0)
     try:
         vllm.stop_token_ids = frozenset()
         syncs = []
         for v in range(1 + args.repeats):
             syncs.append(_clocked(lambda: vllm.load_weights(weights, version=1 + v))[0])
-        syncs = syncs[1:]  # the first load also warms the server's code paths
+        syncs = syncs[1:]  # the first load waits for the server's start and warms its code paths
+        report["vllm_startup_s"] = vllm.startup_s
         pid = vllm.server.proc.pid
         # warm-up of every engine (vLLM compiles and allocates at its first requests)
         _vllm_generate(vllm, prompts, 8), _embedded_generate(embedded, prompts[:2], 4)
@@ -148,17 +149,23 @@ def bench_rollout(args, report: dict, rows: list) -> None:
 
 def _train(args, engine: str, work: Path) -> dict:
     run_dir = work / f"train-{engine}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=0",
+    import socket
+
+    with socket.socket() as sock:  # a free port for the launch's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={port}",
            str(REPO / "scripts" / "train.py"), "--config", args.config, f"model.hf_path={Path(args.model).resolve()}",
            f"rollout.engine={engine}", f"trainer.total_steps={args.train_steps}", "trainer.val_freq=0",
            "trainer.save_freq=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
            f"trainer.run_dir={run_dir}", f"data.train_files=[{work}/data/train.parquet]",
            f"data.val_files=[{work}/data/val.parquet]", f"rollout.vllm.python={args.vllm_python}",
-           f"rollout.vllm.dtype={args.vllm_dtype}", f"rollout.vllm.threads={args.vllm_threads}",
+           f"rollout.vllm.dtype={args.vllm_dtype}", f"rollout.vllm.threads={args.threads}",
            *args.train_override]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=args.train_timeout_s)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{engine} training exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -203,24 +210,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each engine")
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
-    ap.add_argument("--vllm-threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads of every engine: torch's for the embedded one and transformers, vLLM's worker")
     ap.add_argument("--vllm-dtype", default="float32")
-    ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
+    ap.add_argument("--enforce-eager", choices=["auto", "true", "false"], default="auto",
+                    help="rollout.vllm.enforce_eager (auto: eager on the CPU, CUDA graphs on GPUs)")
     ap.add_argument("--train-steps", type=int, default=0, help="GRPO steps per engine (0: rollout section only)")
     ap.add_argument("--config", default="grpo_smollm2")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--train-batch", type=int, default=4, help="the config's data.train_batch_size")
     ap.add_argument("--n", type=int, default=8, help="the config's rollout.n")
     ap.add_argument("--train-override", nargs="*", default=[], help="more train.py overrides (key=value)")
+    ap.add_argument("--train-timeout-s", type=float, default=3600.0, help="limit of each training run")
+    ap.add_argument("--skip-rollout", action="store_true", help="only the training section")
     ap.add_argument("--out", default="runs/bench_vllm.json")
     args = ap.parse_args(argv)
-    args.vllm_python = str(Path(args.vllm_python).resolve())
-    torch.set_num_threads(1)
+    args.vllm_python = str(Path(args.vllm_python).absolute())  # not resolve(): a venv python is a symlink
+    torch.set_num_threads(args.threads)
     report: dict = {"model": args.model, "device": args.device, "rows": args.rows, "new_tokens": args.new_tokens,
-                    "repeats": args.repeats, "vllm_threads": args.vllm_threads, "vllm_dtype": args.vllm_dtype,
+                    "repeats": args.repeats, "threads": args.threads, "vllm_dtype": args.vllm_dtype,
                     "cpu_count": os.cpu_count()}
     rows: list[tuple[str, str, str]] = []
-    bench_rollout(args, report, rows)
+    if not args.skip_rollout:
+        bench_rollout(args, report, rows)
+        print_table(f"{args.model} on {args.device}: {args.rows} rows x {args.new_tokens} new tokens, medians of "
+                    f"{args.repeats}", rows)
     if args.train_steps:
         bench_train(args, report, rows)
     print_table(f"{args.model} on {args.device}: {args.rows} rows x {args.new_tokens} new tokens, medians of "

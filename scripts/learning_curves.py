@@ -49,7 +49,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
 #: vLLM's CPU attention needs a head size of 32 or more (docs/vllm.md): the engines compared on grpo_tiny with
 #: 2 heads of 32 instead of 4 of 16, the embedded engine on the same model as the baseline
 _H32 = ("model.num_heads=2", "model.num_kv_heads=1")
-_VLLM = ("rollout.engine=vllm", "rollout.vllm.enforce_eager=true")
+_VLLM = ("rollout.engine=vllm",)
 LAYOUTS.update({
     "fsdp-dp2-h32": ("actor.backend=fsdp", *_H32),
     "fsdp-dp2-h32-vllm": ("actor.backend=fsdp", *_H32, *_VLLM),

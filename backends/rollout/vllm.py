@@ -44,7 +44,7 @@ class VllmConfig:
     kv_cache_gb: int = 1  # CPU: the KV cache's size in GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB)
     gpu_memory_utilization: float = 0.5  # GPU: the share of the device the engine may take (weights + KV cache)
     threads: int = 1  # CPU: OpenMP threads of the engine's worker
-    enforce_eager: bool = False  # skip torch.compile at start-up (faster start, slower decoding)
+    enforce_eager: bool | None = None  # no torch.compile / CUDA graphs; None: eager on the CPU only (docs/vllm.md)
     startup_timeout_s: float = 600.0  # seconds a server may take to answer its first call
     request_timeout_s: float = 3600.0  # seconds one generation request may take
 
@@ -132,7 +132,7 @@ class VllmEngine:
                 "--no-enable-chunked-prefill",
                 "--max-num-batched-tokens", str(max(self.model_cfg.max_position_embeddings, 8192))]
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-        if o.enforce_eager:
+        if o.enforce_eager or (o.enforce_eager is None and self.device.type == "cpu"):
             args.append("--enforce-eager")
         if self.device.type == "cpu":
             env.update(VLLM_CPU_KVCACHE_SPACE=str(o.kv_cache_gb), VLLM_CPU_OMP_THREADS_BIND="nobind",

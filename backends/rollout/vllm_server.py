@@ -62,6 +62,7 @@ class VllmServer:
         self._spawn()
 
     def _spawn(self) -> None:
+        self.started_at = time.monotonic()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log_start = self._log.tell()
@@ -92,7 +93,7 @@ class VllmServer:
         return "\n".join(text[-lines:])
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Block until the server answers, naming its own model; the seconds it took. Its exit or ``timeout_s`` is an error
+        """Block until the server answers, naming its own model; the seconds since it was started. Its exit or ``timeout_s`` is an error
         that quotes the end of its log."""
         t0 = time.monotonic()
         while True:
@@ -107,7 +108,7 @@ class VllmServer:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
                     served = [m.get("id") for m in json.loads(r.read()).get("data", [])]
                 if self.name in served:
-                    return time.monotonic() - t0
+                    return time.monotonic() - self.started_at
             except (urllib.error.URLError, OSError, ValueError):
                 pass
             if time.monotonic() - t0 > timeout_s:

@@ -29,7 +29,7 @@ needs_engine = pytest.mark.skipif(not have_engine and os.environ.get("RLDISPATCH
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = VllmEngine(CFG, TOK, VllmConfig(enforce_eager=True), seed=0)
+    eng = VllmEngine(CFG, TOK, VllmConfig(), seed=0)  # eager on the CPU by default
     yield eng
     eng.close()
 
@@ -246,7 +246,9 @@ def test_grpo_tiny_trains_with_vllm_in_colocate_async_on_two_ranks(torchrun, tmp
     trainer's log-probs (whether a response spans a sync here depends on timing: the partial rollout test above
     makes it happen).
     Step 1 trains the warm-up batch, generated with the weights the trainer then holds: there the gap is float32
-    noise (a weight or version mix-up would show as a gap of the size of an update)."""
+    noise (a weight or version mix-up would show as a gap of the size of an update). The output head is tied to the
+    embedding: the CPU engine's packed copy of a tied head must follow every weight load (it once kept the start-up
+    weights, and SmolLM2 sampled noise)."""
     import json
     from pathlib import Path
 
@@ -257,8 +259,8 @@ def test_grpo_tiny_trains_with_vllm_in_colocate_async_on_two_ranks(torchrun, tmp
              "data.train_size=64", "data.val_size=8", f"data.train_files=[{tmp_path}/data/train.parquet]",
              f"data.val_files=[{tmp_path}/data/val.parquet]", "trainer.total_steps=2", "trainer.val_freq=2",
              "trainer.save_freq=0", f"trainer.run_dir={run_dir}", "model.num_heads=2", "model.num_kv_heads=2",
-             "actor.backend=megatron", "actor.megatron.tp=2", "rollout.engine=vllm",
-             "rollout.vllm.enforce_eager=true", "trainer.mode=colocate_async",
+             "model.tie_word_embeddings=true", "actor.backend=megatron", "actor.megatron.tp=2", "rollout.engine=vllm",
+             "trainer.mode=colocate_async",
              "trainer.colocate_async.num_warmup_batches=1", "rollout.partial_rollout_chunk=2", timeout=500)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
