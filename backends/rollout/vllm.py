@@ -39,7 +39,7 @@ _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 class VllmConfig:
     """``rollout.vllm``: how the vLLM engine runs (read only when ``rollout.engine=vllm``)."""
 
-    python: str = ".venv-vllm/bin/python"  # the engine environment's interpreter (`make setup-vllm`); relative to the project
+    python: str = ".venv-vllm/bin/python"  # the engine environment's interpreter (`make setup-vllm`), from the project
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights the engine holds and computes in
     kv_cache_gb: int = 1  # CPU: the KV cache's size in GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB)
     gpu_memory_utilization: float = 0.5  # GPU: the share of the device the engine may take (weights + KV cache)
@@ -83,8 +83,9 @@ class VllmEngine:
         self.device = torch.device(device)
         self.stop_token_ids = engine_stop_ids(model_cfg, tokenizer)
         if self.device.type == "cpu" and model_cfg.head_dim not in CPU_HEAD_SIZES:
-            raise RolloutError(f"rollout.engine=vllm on the CPU supports head sizes {list(CPU_HEAD_SIZES)}; the model's "
-                               f"is {model_cfg.head_dim} (model.hidden_size / model.num_heads, or model.head_dim)")
+            raise RolloutError(f"rollout.engine=vllm on the CPU supports head sizes {list(CPU_HEAD_SIZES)}; the "
+                               f"model's is {model_cfg.head_dim} (model.hidden_size / model.num_heads, or "
+                               "model.head_dim)")
         self.dtype = _DTYPES[options.dtype]
         self.weights_version = 0
         self.seed, self.rank = int(seed), int(rank)

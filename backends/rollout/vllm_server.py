@@ -93,7 +93,8 @@ class VllmServer:
         return "\n".join(text[-lines:])
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Block until the server answers, naming its own model; the seconds since it was started. Its exit or ``timeout_s`` is an error
+        """Block until the server answers, naming its own model; the seconds since it was started. Its exit or
+        ``timeout_s`` is an error
         that quotes the end of its log."""
         t0 = time.monotonic()
         while True:
