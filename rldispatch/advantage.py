@@ -12,7 +12,7 @@ from backends.comm import allreduce_counts
 from protocol.algos.advantage import (compute_advantage, get_advantage_fn, session_inputs_from_keys,
                                      whiten_by_moments, whiten_moments)
 from protocol.algos.kl import apply_kl_penalty
-from protocol.algos.rollout_correction import correction_sums, rollout_correction
+from protocol.algos.rollout_correction import rollout_correction
 from protocol.batch.nested import jagged_to_padded, nested_lengths, padded_to_jagged_many
 from protocol.store.batching import batch_of
 from protocol.store.keys import uid_of
@@ -42,11 +42,8 @@ def _rollout_correction(cfg: RunConfig, store: ShardedStore, own: list[str], pad
         got = jagged_to_padded(store.read_local(real, TRAIN, ["rollout_log_probs"])["rollout_log_probs"])
         rollout_lp[(~pad).nonzero().squeeze(-1), :got.shape[1]] = got.float()
     real_mask = mask.bool() & ~pad[:, None]
-    if rc.enabled:
-        weights, kept, sums = rollout_correction(rc, old_lp, rollout_lp, real_mask)
-    else:
-        weights = kept = None
-        sums = correction_sums(old_lp, rollout_lp, real_mask, None, None, None, 1.0, None)
+    # a disabled correction gives no weights and no rejection mask, only the gap's sums
+    weights, kept, sums = rollout_correction(rc, old_lp, rollout_lp, real_mask)
     for k, v in sums.items():
         stats.sum(f"rollout_corr/_{k}", v)
     # the reference system's probability gap: |p_rollout - p_trainer| per response token

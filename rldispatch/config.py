@@ -20,7 +20,8 @@ from typing import Any, ClassVar, Literal, Sequence
 from backends.config import (EngineConfig, FSDPConfig, LoraConfig, MegatronConfig, OptimConfig, PolicyLossConfig,
                              ValueLossConfig)
 from backends.model.config import ModelConfig
-from backends.rollout.vllm import VllmConfig, engine_python
+from backends.rollout.engine import RolloutError
+from backends.rollout.vllm import VllmConfig, require_engine_python
 from protocol.algos.reward import CustomRewardFunctionConfig, RewardConfig
 from protocol.algos.rollout_correction import RolloutCorrectionConfig
 from dispatch.topology import BackendName, ParallelSection, Topology
@@ -425,11 +426,10 @@ def _check_vllm(cfg: RunConfig) -> None:
     if cfg.debug.weight_checksums:
         raise ConfigError("debug.weight_checksums=true with rollout.engine=vllm: the engine's repacked weights "
                           "cannot be read back; turn one of them off")
-    python = engine_python(cfg.rollout.vllm)
-    if not Path(python).is_file():
-        raise ConfigError(f"rollout.vllm.python={cfg.rollout.vllm.python!r} ({python}) does not exist; create the "
-                          "engine environment with `make setup-vllm` (GPU: `make setup-vllm VLLM=vllm`) or point "
-                          "rollout.vllm.python at one")
+    try:
+        require_engine_python(cfg.rollout.vllm)
+    except RolloutError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_data_section(d: DataConfig) -> None:

@@ -148,14 +148,11 @@ def bench_rollout(args, report: dict, rows: list) -> None:
 
 
 def _train(args, engine: str, work: Path) -> dict:
-    run_dir = work / f"train-{engine}"
-    import socket
+    from backends.rollout.vllm_server import free_port
 
-    with socket.socket() as sock:  # a free port for the launch's rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    run_dir = work / f"train-{engine}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={port}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            str(REPO / "scripts" / "train.py"), "--config", args.config, f"model.hf_path={Path(args.model).resolve()}",
            f"rollout.engine={engine}", f"trainer.total_steps={args.train_steps}", "trainer.val_freq=0",
            "trainer.save_freq=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
@@ -171,7 +168,8 @@ def _train(args, engine: str, work: Path) -> dict:
         raise SystemExit(f"{engine} training exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = recs[1:] or recs  # the first step holds the engines' warm-up
-    per_step = args.train_batch * args.n
+    cfg = json.loads((run_dir / "config.json").read_text())  # the run's resolved config
+    per_step = cfg["data"]["train_batch_size"] * cfg["rollout"]["n"]
 
     def med(key):
         vals = [r[key] for r in later if key in r]
@@ -218,8 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-steps", type=int, default=0, help="GRPO steps per engine (0: rollout section only)")
     ap.add_argument("--config", default="grpo_smollm2")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--train-batch", type=int, default=4, help="the config's data.train_batch_size")
-    ap.add_argument("--n", type=int, default=8, help="the config's rollout.n")
     ap.add_argument("--train-override", nargs="*", default=[], help="more train.py overrides (key=value)")
     ap.add_argument("--train-timeout-s", type=float, default=3600.0, help="limit of each training run")
     ap.add_argument("--skip-rollout", action="store_true", help="only the training section")

@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from protocol.rollout.agent_loop.base import Generated
+from protocol.rollout.tokenizer import (TokenizerError, VocabularyError, check_vocab_fits, generation_stop_ids,
+                                        stop_token_ids)
 
 __all__ = ["RolloutError", "SamplingParams", "RolloutEngine", "register_rollout_engine", "ENGINES", "engine_stop_ids",
            "check_prompt", "check_fits"]
@@ -114,8 +116,6 @@ class RolloutEngine(Protocol):
 def engine_stop_ids(model_cfg: Any, tokenizer: Any) -> frozenset[int]:
     """The ids that end a response: the tokenizer's own stop ids plus the checkpoint's generation_config.json EOS
     ids, each checked to be a row of the model's embedding."""
-    from protocol.rollout.tokenizer import (TokenizerError, VocabularyError, check_vocab_fits, generation_stop_ids,
-                                            stop_token_ids)
     if getattr(tokenizer, "vocab_size", None) is None or getattr(tokenizer, "eos_token_id", None) is None:
         raise RolloutError("tokenizer must provide vocab_size and eos_token_id")
     try:

