@@ -335,10 +335,6 @@ def validate(cfg: RunConfig) -> RunConfig:
             f"actor.loss.temperature ({cfg.actor.loss.temperature}) differs from rollout.temperature "
             f"({cfg.rollout.temperature}); the update always scores tokens at the rollout's temperature, so leave "
             f"actor.loss.temperature unset")
-    if cfg.actor.lora.rank > 0 and cfg.actor.backend != "fsdp":
-        raise ConfigError(f"actor.lora.rank={cfg.actor.lora.rank} needs actor.backend=fsdp: LoRA adapters are not "
-                          f"implemented on actor.backend={cfg.actor.backend}; set actor.lora.rank=0 or "
-                          f"actor.backend=fsdp")
     _check_async(cfg)
     if cfg.algorithm.use_kl_in_reward and not cfg.ref.enabled:
         raise ConfigError("algorithm.use_kl_in_reward=true needs the reference policy: set ref.enabled=true")

@@ -16,6 +16,11 @@ megatron-core layout, per TP rank and pipeline chunk (``{l}`` = the chunk's loca
 * ``embedding.word_embeddings.weight`` / ``output_layer.weight`` split along the vocabulary;
 * norms replicated.
 
+LoRA adapters (``layers.{i}.{self_attn,mlp}.{proj}.lora_A`` [r, in] / ``lora_B`` [out, r]) sit on the megatron
+linear that holds their projection, one pair per original projection (``linear_qkv.lora_A.q_proj``, ...): on a
+column-parallel linear (qkv, fc1) A is replicated and B split along its output like the projection's rows; on a
+row-parallel one (proj, fc2) A is split along its input like the weight's columns and B replicated.
+
 Global layer ``i`` lives on the chunk whose layers carry ``layer_number = i + 1``; the engine passes that map.
 """
 from __future__ import annotations
@@ -26,13 +31,32 @@ import torch
 
 from backends.model.config import ModelConfig
 from backends.model.llama import parameter_shapes
+from backends.model.lora import LoraSpec, adapter_shapes
 
 __all__ = [
     "ConversionError", "qkv_to_megatron", "qkv_from_megatron", "to_megatron_shard", "from_megatron_shards",
-    "expected_project_names",
+    "expected_project_names", "ADAPTER_SPLIT", "adapter_param_names",
 ]
 
 _LAYER_PREFIX = "decoder.layers."
+
+#: projection -> (its project module, the megatron linear holding it, the adapter matrix split over TP, its dim);
+#: the other matrix of the pair is replicated
+ADAPTER_SPLIT: dict[str, tuple[str, str, str, int]] = {
+    "q_proj": ("self_attn", "self_attention.linear_qkv", "lora_B", 0),
+    "k_proj": ("self_attn", "self_attention.linear_qkv", "lora_B", 0),
+    "v_proj": ("self_attn", "self_attention.linear_qkv", "lora_B", 0),
+    "o_proj": ("self_attn", "self_attention.linear_proj", "lora_A", 1),
+    "gate_proj": ("mlp", "mlp.linear_fc1", "lora_B", 0),
+    "up_proj": ("mlp", "mlp.linear_fc1", "lora_B", 0),
+    "down_proj": ("mlp", "mlp.linear_fc2", "lora_A", 1),
+}
+
+
+def adapter_param_names(proj: str) -> dict[str, str]:
+    """``lora_A`` / ``lora_B`` of ``proj`` -> its megatron parameter name within a layer (``...lora_A.q_proj``)."""
+    _, linear, _, _ = ADAPTER_SPLIT[proj]
+    return {ab: f"{linear}.{ab}.{proj}" for ab in ("lora_A", "lora_B")}
 
 
 class ConversionError(KeyError):
@@ -42,13 +66,20 @@ class ConversionError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def expected_project_names(cfg: ModelConfig) -> list[str]:
-    """Every parameter name of the project's decoder for ``cfg``."""
-    return list(parameter_shapes(cfg))
+def _shapes(cfg: ModelConfig, lora: LoraSpec | None) -> dict[str, tuple[int, ...]]:
+    shapes = dict(parameter_shapes(cfg))
+    if lora is not None:
+        shapes.update(adapter_shapes(cfg, lora))
+    return shapes
 
 
-def _check_project(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
-    shapes = parameter_shapes(cfg)
+def expected_project_names(cfg: ModelConfig, lora: LoraSpec | None = None) -> list[str]:
+    """Every parameter name of the project's decoder for ``cfg`` (with ``lora``: and its adapters)."""
+    return list(_shapes(cfg, lora))
+
+
+def _check_project(sd: Mapping[str, torch.Tensor], cfg: ModelConfig, lora: LoraSpec | None) -> None:
+    shapes = _shapes(cfg, lora)
     missing = sorted(set(shapes) - set(sd))
     extra = sorted(set(sd) - set(shapes))
     if missing or extra:
@@ -98,13 +129,15 @@ def to_megatron_shard(
     layers: Sequence[int],
     pre_process: bool,
     post_process: bool,
+    lora: LoraSpec | None = None,
 ) -> dict[str, torch.Tensor]:
     """The megatron-core weights of one pipeline chunk on one TP rank.
 
     ``layers[l]`` is the global index of the chunk's local layer ``l``; ``pre_process`` / ``post_process`` say
-    whether the chunk holds the embedding / the final norm and output layer.
+    whether the chunk holds the embedding / the final norm and output layer; ``lora``: ``sd`` also holds the
+    adapters of those targets.
     """
-    _check_project(sd, cfg)
+    _check_project(sd, cfg, lora)
     out: dict[str, torch.Tensor] = {}
     for local, i in enumerate(layers):
         if not 0 <= i < cfg.num_layers:
@@ -128,6 +161,11 @@ def to_megatron_shard(
             _chunk(sd[p + "mlp.up_proj.weight"], tp_size, tp_rank, 0),
         ])
         out[m + "mlp.linear_fc2.weight"] = _chunk(sd[p + "mlp.down_proj.weight"], tp_size, tp_rank, 1)
+        for proj in (lora.targets if lora is not None else ()):
+            module, _, split, dim = ADAPTER_SPLIT[proj]
+            for ab, name in adapter_param_names(proj).items():
+                t = sd[f"{p}{module}.{proj}.{ab}"]
+                out[m + name] = _chunk(t, tp_size, tp_rank, dim) if ab == split else t.clone()
     if pre_process:
         out["embedding.word_embeddings.weight"] = _chunk(sd["embed_tokens.weight"], tp_size, tp_rank, 0)
     if post_process:
@@ -146,8 +184,9 @@ def from_megatron_shards(
 ) -> dict[str, torch.Tensor]:
     """Project-layout weights of one pipeline chunk from its ``tp`` shards (index = TP rank).
 
-    Returns only what the chunk holds (its layers, and embedding / norm / head where present); the union over
-    all chunks is the full model. With tied embeddings the output layer copy is dropped.
+    Returns only what the chunk holds (its layers, and embedding / norm / head where present, and the adapters
+    the shards carry); the union over all chunks is the full model. With tied embeddings the output layer copy is
+    dropped.
     """
     tp = len(shards)
     if tp == 0:
@@ -185,6 +224,10 @@ def from_megatron_shards(
         out[p + "mlp.gate_proj.weight"] = torch.cat(gates, 0)
         out[p + "mlp.up_proj.weight"] = torch.cat(ups, 0)
         out[p + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
+        for proj, (module, _, split, dim) in ADAPTER_SPLIT.items():
+            for ab, name in adapter_param_names(proj).items():
+                if m + name in first:
+                    out[f"{p}{module}.{proj}.{ab}"] = cat(m + name, dim) if ab == split else first[m + name].clone()
     if "embedding.word_embeddings.weight" in first:
         out["embed_tokens.weight"] = cat("embedding.word_embeddings.weight", 0)
     if "decoder.final_layernorm.weight" in first:

@@ -22,7 +22,9 @@ from backends.megatron.batch import MicroBatch, ShareError, make_micro_batch, sh
 from backends.megatron.convert import ConversionError, expected_project_names, from_megatron_shards, to_megatron_shard
 from backends.megatron.cpu_shim import apply_cpu_shim
 from backends.megatron.logprob import vocab_parallel_logprobs_entropy
+from backends.megatron.lora import apply_megatron_lora
 from backends.megatron.model import TE_RENAMES, build_model_chunks, te_available, transformer_config
+from backends.model.lora import LoraSpec, adapters_disabled, merge_adapters, seeded_adapters
 from backends.optim import StepSnapshot, all_finite, lr_factor
 from dispatch.topology import Topology
 from protocol.algos.losses import entropy_bonus, kl_loss, policy_loss
@@ -56,10 +58,10 @@ def check_engine_config(config: EngineConfig) -> None:
     from backends.megatron.model import check_model_fits
 
     par, opt = config.megatron, config.optim
-    if config.lora.rank > 0:
-        raise EngineConfigError(f"actor.lora.rank={config.lora.rank}: LoRA adapters are not implemented by the "
-                                f"megatron engine (actor.backend=megatron); set actor.lora.rank=0 or "
-                                f"actor.backend=fsdp")
+    if config.lora.enabled and par.sequence_parallel:
+        raise EngineConfigError(f"actor.lora.rank={config.lora.rank} with actor.megatron.sequence_parallel=true: "
+                                f"the megatron LoRA layers run megatron-core's local layer spec, which has no "
+                                f"sequence parallelism here; set actor.megatron.sequence_parallel=false")
     for key in ("tp", "pp", "vpp", "cp"):
         if int(getattr(par, key)) < 1:
             raise EngineConfigError(f"actor.megatron.{key} must be >= 1, got {getattr(par, key)}")
@@ -107,7 +109,9 @@ class MegatronEngine(Engine):
 
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
-        self.use_te = te_available()
+        # LoRA adapts megatron-core's local-spec linears (TE's fused norm + linear hides the normed input an
+        # adapter needs), so an adapted model runs the local spec even where transformer-engine is present
+        self.use_te = te_available() and not config.lora.enabled
         self.packed = self.use_te  # THD packed sequences need the TE attention kernels
         self._closed = False
         self._owns_state = not ps.model_parallel_is_initialized()
@@ -158,23 +162,36 @@ class MegatronEngine(Engine):
             raise TopologyMismatch(f"{type(self).__name__} joins this process's megatron-core parallel state, which "
                                    f"has degrees {have}; its config asks for {want}")
 
+    @property
+    def _lora(self) -> LoraSpec | None:
+        return self.config.lora.spec() if self.config.lora.enabled else None
+
     def _build_chunks(self) -> list:
-        return build_model_chunks(self.config.model, self.config.megatron, self.tcfg, use_te=self.use_te)
+        """The model chunks; with ``actor.lora`` their target linears adapted and every other weight frozen."""
+        chunks = build_model_chunks(self.config.model, self.config.megatron, self.tcfg, use_te=self.use_te)
+        if self._lora is not None:
+            for chunk in chunks:
+                apply_megatron_lora(chunk, self.config.model, self._lora, self.config.megatron.tp)
+        return chunks
 
     def _initial_weights(self) -> dict[str, torch.Tensor]:
-        """The project-layout weights the engine starts from (a checkpoint or the seeded initial policy)."""
+        """The project-layout weights the engine starts from (a checkpoint or the seeded initial policy; with LoRA
+        also the seeded adapters, the same as the FSDP engine draws)."""
         from backends.model.hf import initial_model
 
-        return initial_model(self.config.model, int(self.config.seed)).state_dict()
+        weights = initial_model(self.config.model, int(self.config.seed)).state_dict()
+        if self._lora is not None:
+            weights.update(seeded_adapters(self.config.model, self._lora, int(self.config.seed)))
+        return weights
 
     def _to_shard(self, sd: dict[str, torch.Tensor], **where) -> dict[str, torch.Tensor]:
-        return to_megatron_shard(sd, self.config.model, **where)
+        return to_megatron_shard(sd, self.config.model, lora=self._lora, **where)
 
     def _from_shards(self, shards: list[dict], layers: list[int]) -> dict[str, torch.Tensor]:
         return from_megatron_shards(shards, self.config.model, layers=layers)
 
     def _expected_names(self) -> list[str]:
-        return expected_project_names(self.config.model)
+        return expected_project_names(self.config.model, self._lora)
 
     @staticmethod
     def _check_topology_config(topology: Topology, par) -> None:
@@ -335,8 +352,24 @@ class MegatronEngine(Engine):
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
-    @torch.no_grad()
+    @property
+    def has_adapters(self) -> bool:
+        return self.config.lora.enabled
+
+    def adapters_disabled(self):
+        """Forward passes inside the block use the frozen base weights alone (bit-identical to the base model)."""
+        if not self.has_adapters:
+            raise RuntimeError("adapters_disabled() needs actor.lora.rank > 0: this actor has no adapters")
+        return adapters_disabled(*self.chunks)
+
     def get_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights in the project layout on every rank; a LoRA actor's are merged, ``W + (alpha / rank) B A``."""
+        weights = self.adapter_weights()
+        return merge_adapters(weights, self._lora.scale, inplace=True) if self._lora is not None else weights
+
+    @torch.no_grad()
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights in the project layout, a LoRA actor's adapters apart (``...q_proj.lora_A`` / ``lora_B``)."""
         from megatron.core import parallel_state as ps
 
         tp_group = ps.get_tensor_model_parallel_group()
@@ -568,7 +601,7 @@ class MegatronEngine(Engine):
             if params:
                 clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=grad_norm)
         inner = [getattr(opt, "optimizer", opt) for opt in self._sub_optimizers]
-        model_params = [p for c in self.chunks for p in c.parameters()]
+        model_params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]  # LoRA: the adapters
         main_params = [p for o in inner for g in o.param_groups for p in g["params"]]
         before = StepSnapshot(model_params + main_params, inner) if self.config.rollback_nonfinite else None
         self.optimizer.step_with_ready_grads()

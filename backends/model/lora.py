@@ -11,14 +11,14 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["LORA_TARGETS", "LoraSpec", "LoraLinear", "apply_lora", "init_adapters", "adapters_disabled",
-           "is_adapter_name", "adapter_names", "merge_adapters", "base_name", "resolve_targets"]
+__all__ = ["LORA_TARGETS", "LoraSpec", "LoraLinear", "apply_lora", "init_adapters", "adapter_shapes", "seeded_adapters",
+           "adapters_disabled", "is_adapter_name", "adapter_names", "merge_adapters", "base_name", "resolve_targets"]
 
 #: the decoder's projection names that can carry adapters (attention, then MLP), as Hugging Face names them
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -112,33 +112,60 @@ def adapter_names(names) -> list[str]:
     return [base_name(n) for n in names if n.endswith(".lora_A")]
 
 
+def _drawn(named_shapes: Iterable[tuple[str, tuple[int, ...]]], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full-size fp32 values of the adapters among ``named_shapes``, drawn in that order from one CPU generator:
+    A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a = sqrt(5), as ``nn.Linear`` and peft do), B = 0."""
+    gen = torch.Generator(device="cpu").manual_seed(int(seed) + 7_340_033)
+    for name, shape in named_shapes:
+        if not is_adapter_name(name):
+            continue
+        if name.endswith(".lora_B"):
+            yield name, torch.zeros(shape)
+            continue
+        bound = 1.0 / math.sqrt(shape[1])
+        yield name, torch.rand(shape, generator=gen, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+
+
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> None:
-    """A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a = sqrt(5), as ``nn.Linear`` and peft do), B = 0.
+    """Give every adapter of ``model`` its seeded value (see :func:`seeded_adapters`), each rank its own rows.
 
-    Drawn from one CPU generator in parameter order, full size, then each rank keeps its own rows: the same adapters
-    for every world size and device, whether the parameters are FSDP2 shards or whole tensors.
+    The same adapters for every world size and device, whether the parameters are FSDP2 shards or whole tensors.
     """
     from backends.fsdp.rows import local_rows
 
-    gen = torch.Generator(device="cpu").manual_seed(int(seed) + 7_340_033)
-    for name, p in model.named_parameters():
-        if not is_adapter_name(name):
-            continue
+    params = dict(model.named_parameters())
+    for name, full in _drawn(((n, tuple(p.shape)) for n, p in params.items()), seed):
+        p = params[name]
         local = p.to_local() if hasattr(p, "to_local") else p
-        if name.endswith(".lora_B"):
-            local.zero_()
-            continue
-        bound = 1.0 / math.sqrt(p.shape[1])
-        full = torch.rand(tuple(p.shape), generator=gen, dtype=torch.float32).mul_(2 * bound).sub_(bound)
         start, stop = local_rows(p)
         local.copy_(full[start:stop].to(local.device, local.dtype))
 
 
+def adapter_shapes(cfg, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """Project name -> shape of every adapter of the decoder ``cfg`` adapted by ``spec``, in parameter order."""
+    from backends.model.llama import LlamaModel
+
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    apply_lora(model, spec)
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if is_adapter_name(n)}
+
+
+def seeded_adapters(cfg, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
+    """The initial adapters of the decoder ``cfg`` adapted by ``spec``, full size in project names (fp32).
+
+    One definition for every backend: drawn in the decoder's parameter order, so an engine that holds the model
+    in another layout (megatron-core's fused, tensor-parallel linears) starts from the very adapters FSDP does.
+    """
+    return dict(_drawn(adapter_shapes(cfg, spec).items(), seed))
+
+
 @contextlib.contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Within the block every :class:`LoraLinear` of ``model`` computes its base projection only."""
-    mods = [m for m in model.modules() if isinstance(m, LoraLinear)]
+def adapters_disabled(*models: nn.Module) -> Iterator[None]:
+    """Within the block every adapted layer of ``models`` (any module with an ``adapters_enabled`` flag: the
+    :class:`LoraLinear` here, megatron-core's adapted linears) computes its base projection only."""
+    mods = [m for model in models for m in model.modules() if hasattr(m, "adapters_enabled")]
     before = [m.adapters_enabled for m in mods]
     for m in mods:
         m.adapters_enabled = False

@@ -38,7 +38,7 @@ def test_bad_lora_values_are_refused_naming_the_key(kwargs, key):
         assert all(name in str(err.value) for name in LORA_TARGETS), "the message lists the model's projections"
 
 
-def test_lora_keys_load_from_overrides_and_megatron_is_refused():
+def test_lora_keys_load_from_overrides_on_either_backend():
     cfg = load_config("configs/grpo_tiny.yaml", ["actor.lora.rank=8", "actor.lora.alpha=16",
                                                   "actor.lora.target_modules=[q_proj,v_proj]"])
     assert cfg.engine_config().lora == LoraConfig(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"])
@@ -48,16 +48,18 @@ def test_lora_keys_load_from_overrides_and_megatron_is_refused():
         load_config("configs/grpo_tiny.yaml", ["actor.lora.rank=-1"])
     with pytest.raises(ConfigError, match=r"actor\.lora\.target_modules.*gate_proj"):
         load_config("configs/grpo_tiny.yaml", ["actor.lora.rank=4", "actor.lora.target_modules=[mlp]"])
-    with pytest.raises(ConfigError, match=r"actor\.lora\.rank=4.*actor\.backend=megatron"):
-        load_config("configs/grpo_tiny.yaml", ["actor.lora.rank=4", "actor.backend=megatron"])
+    meg = load_config("configs/grpo_tiny.yaml", ["actor.lora.rank=4", "actor.backend=megatron",
+                                                 "actor.megatron.tp=2"])
+    assert meg.engine_config().lora.spec().rank == 4 and meg.critic_engine_config().lora.enabled is False
 
 
-def test_megatron_engine_refuses_adapters_before_building_anything():
-    from backends.config import EngineConfig
+def test_megatron_lora_refuses_sequence_parallel_before_building_anything():
+    from backends.config import EngineConfig, MegatronConfig
     from backends.megatron.engine import check_engine_config
 
-    with pytest.raises(ValueError, match=r"actor\.lora\.rank=4.*actor\.backend=megatron"):
-        check_engine_config(EngineConfig(model=TINY, lora=LoraConfig(rank=4)))
+    with pytest.raises(ValueError, match=r"actor\.lora\.rank=4 with actor\.megatron\.sequence_parallel=true"):
+        check_engine_config(EngineConfig(model=TINY, lora=LoraConfig(rank=4),
+                                         megatron=MegatronConfig(tp=2, sequence_parallel=True)))
     check_engine_config(EngineConfig(model=TINY))  # rank 0: accepted
 
 
@@ -154,6 +156,57 @@ def _numerical_rank(delta: torch.Tensor) -> int:
     return int((s > s.max() * 1e-5).sum()) if float(s.max()) > 0 else 0
 
 
+def _check_export(ckpt, tmp_path, cfg, base, saved, *, rank, scale, targets) -> None:
+    """``rldispatch export`` of a LoRA checkpoint: the merged folder (target matrices = base + scale B A, of
+    numerical rank <= r against the base; every other tensor the base's bit for bit) loads in transformers with the
+    project's logits, and peft loads the adapter folder onto the base with the same logits."""
+    from safetensors.torch import load_file
+
+    from backends.model.hf import convert_hf_state_dict, load_hf_checkpoint
+    from backends.model.hf_export import save_hf_checkpoint
+    from rldispatch.commands.export import main as export_main
+
+    merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
+    assert export_main(["--checkpoint", str(ckpt), "--out", str(merged_dir), "--adapter-out", str(adapter_dir),
+                        "--verify"]) == 0
+    exported = convert_hf_state_dict(load_file(merged_dir / "model.safetensors"), cfg)
+    for name, w in base.items():
+        if any(f".{t}." in name for t in targets):
+            delta = exported[name].double() - w.detach().double()
+            assert 0 < _numerical_rank(delta) <= rank, name
+            stem = name[: -len(".weight")]
+            want = w.detach().double() + scale * saved[f"{stem}.lora_B"].double() @ saved[f"{stem}.lora_A"].double()
+            torch.testing.assert_close(exported[name].double(), want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(exported[name], w.detach()), f"{name} is not bit-identical to the base"
+
+    # transformers loads the merged folder; its logits equal the merged project model's
+    from transformers import AutoModelForCausalLM
+
+    hf_merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    ours = load_hf_checkpoint(str(merged_dir)).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want_logits = ours(ids[0], torch.arange(9), torch.tensor([0, 9], dtype=torch.int32))
+        torch.testing.assert_close(hf_merged(input_ids=ids).logits[0], want_logits, rtol=1e-5, atol=1e-5)
+
+    # peft's own loader puts the adapter folder onto the base model; same logits as the merged folder
+    peft = pytest.importorskip("peft")
+    adapter_cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert adapter_cfg["r"] == rank and adapter_cfg["lora_alpha"] == scale * rank
+    assert sorted(adapter_cfg["target_modules"]) == sorted(targets)
+    base_dir = tmp_path / "base"
+    save_hf_checkpoint(str(base_dir), {n: p.detach() for n, p in base.items()}, cfg)
+    hf_base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(hf_base, str(adapter_dir)).eval()
+    n_lora = sum(1 for n, _ in with_adapter.named_parameters() if "lora_" in n)
+    assert n_lora == 2 * len(targets) * cfg.num_layers
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(input_ids=ids).logits[0], want_logits, rtol=1e-5, atol=1e-5)
+    assert os.listdir(adapter_dir) and sorted(os.listdir(adapter_dir)) == ["adapter_config.json",
+                                                                           "adapter_model.safetensors"]
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_fsdp_lora_engine_reference_rollout_resume_and_export(torchrun, tmp_path):
@@ -179,52 +232,7 @@ def test_fsdp_lora_engine_reference_rollout_resume_and_export(torchrun, tmp_path
     lora_b = [n for n in saved if n.endswith("lora_B")]
     assert len(lora_b) == 3 * TINY.num_layers and all(saved[n].any() for n in lora_b)
 
-    # export: plain HF folder with merged weights + PEFT folder
-    from safetensors.torch import load_file
-
-    from backends.model.hf import convert_hf_state_dict, load_hf_checkpoint
-    from backends.model.hf_export import save_hf_checkpoint
-    from rldispatch.commands.export import main as export_main
-
-    merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
-    assert export_main(["--checkpoint", str(ckpt), "--out", str(merged_dir), "--adapter-out", str(adapter_dir),
-                        "--verify"]) == 0
-    exported = convert_hf_state_dict(load_file(merged_dir / "model.safetensors"), TINY)
-    rank, targets = 2, ("q_proj", "v_proj", "down_proj")  # the worker's resume run: alpha 8, scale 4
-    for name, w in base.items():
-        if any(f".{t}." in name for t in targets):
-            delta = exported[name].double() - w.detach().double()
-            assert 0 < _numerical_rank(delta) <= rank, name
-            stem = name[: -len(".weight")]
-            want = w.detach().double() + 4.0 * saved[f"{stem}.lora_B"].double() @ saved[f"{stem}.lora_A"].double()
-            torch.testing.assert_close(exported[name].double(), want, rtol=1e-6, atol=1e-6)
-        else:
-            assert torch.equal(exported[name], w.detach()), f"{name} is not bit-identical to the base"
-
-    # transformers loads the merged folder; its logits equal the merged project model's
-    from transformers import AutoModelForCausalLM
-
-    hf_merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    ours = load_hf_checkpoint(str(merged_dir)).eval()
-    ids = torch.randint(0, TINY.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        want_logits = ours(ids[0], torch.arange(9), torch.tensor([0, 9], dtype=torch.int32))
-        torch.testing.assert_close(hf_merged(input_ids=ids).logits[0], want_logits, rtol=1e-5, atol=1e-5)
-
-    # peft's own loader puts the adapter folder onto the base model; same logits as the merged folder
-    peft = pytest.importorskip("peft")
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    assert cfg["r"] == rank and cfg["lora_alpha"] == 8.0 and sorted(cfg["target_modules"]) == sorted(targets)
-    base_dir = tmp_path / "base"
-    save_hf_checkpoint(str(base_dir), {n: p.detach() for n, p in base.items()}, TINY)
-    hf_base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    with_adapter = peft.PeftModel.from_pretrained(hf_base, str(adapter_dir)).eval()
-    n_lora = sum(1 for n, _ in with_adapter.named_parameters() if "lora_" in n)
-    assert n_lora == 2 * 3 * TINY.num_layers
-    with torch.no_grad():
-        torch.testing.assert_close(with_adapter(input_ids=ids).logits[0], want_logits, rtol=1e-5, atol=1e-5)
-    assert os.listdir(adapter_dir) and sorted(os.listdir(adapter_dir)) == ["adapter_config.json",
-                                                                           "adapter_model.safetensors"]
+    _check_export(ckpt, tmp_path, TINY, base, saved, rank=2, scale=4.0, targets=("q_proj", "v_proj", "down_proj"))
 
 
 def test_resume_refuses_a_changed_adapter_layout_and_reads_old_checkpoints_as_lora_off():
@@ -322,3 +330,66 @@ def test_one_rank_engine_merges_without_touching_its_parameters_and_the_rollout_
             torch.testing.assert_close(torch.tensor(lps, dtype=torch.float32), got, rtol=0, atol=2e-5)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_megatron_lora_equals_fsdp_lora_resumes_and_exports(torchrun, tmp_path):
+    """megatron LoRA (TP2, PP2, PP2 x VPP2, TP2 x PP2; all-linear and a partial target list) against FSDP LoRA on
+    the same seed and data; resume with the distributed optimizer; export merged + PEFT from its checkpoint."""
+    import sys
+
+    sys.path.insert(0, str(WORKER.parent))
+    from megatron_common import MODEL
+
+    from backends.megatron.checkpoint import read_model_weights
+
+    ckpt = tmp_path / "ckpt"
+    out = torchrun(WORKER.parent / "megatron_lora_worker.py", 4, "--path", str(ckpt), timeout=400)
+    for case in ("tp=2 pp=1 vpp=1 dp=2", "tp=1 pp=2 vpp=1 dp=2", "tp=1 pp=2 vpp=2 dp=2", "tp=2 pp=2 vpp=1 dp=1",
+                 "checkpoint tp=2 pp=2 dist_opt=True resume == uninterrupted"):
+        assert f"OK lora {case}" in out, f"{case} did not report OK:\n{out[-3000:]}"
+    # the checkpoint (TP- and PP-sharded) reads back, in one process, as the engine's weights at the save
+    saved = read_model_weights(str(ckpt), MODEL)
+    expected = torch.load(ckpt / "expected_weights.pt")
+    assert set(saved) == set(expected) and all(torch.equal(saved[n], expected[n]) for n in expected)
+    base = dict(LlamaModel.from_seed(MODEL, 3).named_parameters())  # the worker's seed
+    assert all(torch.equal(saved[n], base[n]) for n in base), "the checkpoint's base is the frozen start"
+    targets = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+    _check_export(ckpt, tmp_path, MODEL, base, saved, rank=2, scale=4.0, targets=targets)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_grpo_megatron_lora_run_matches_fsdp_lora_single_process(torchrun, tmp_path):
+    """The trainer with adapters on Megatron TP=2 and on FSDP in one process, same seed and data: 3 steps with the
+    same rewards and responses, and pg_loss, grad norm and KL loss (reference = the actor, adapters off) equal to
+    float32 rounding."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    train = str(repo / "scripts" / "train.py")
+    args = ["--config", str(repo / "configs" / "grpo_tiny.yaml"), "trainer.progress_bar=false",
+            "trainer.tensorboard=false", "data.val_batch_size=4", "data.train_size=64", "data.val_size=8",
+            f"data.train_files=[{tmp_path}/data/train.parquet]", f"data.val_files=[{tmp_path}/data/val.parquet]",
+            "trainer.total_steps=3", "trainer.val_freq=0", "actor.lora.rank=4", "actor.lora.alpha=8",
+            "actor.optim.lr=0.05", "actor.loss.use_kl_loss=true"]
+    meg, ref = tmp_path / "megatron", tmp_path / "fsdp1"
+    torchrun(train, 2, *args, f"trainer.run_dir={meg}", "actor.backend=megatron", "actor.megatron.tp=2",
+             timeout=400)
+    subprocess.run([sys.executable, train, *args, f"trainer.run_dir={ref}"], check=True, capture_output=True,
+                   timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    a, b = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (meg, ref))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    for ra, rb in zip(a, b):
+        for key in ("reward/score/mean", "response_length/mean", "samples/real"):
+            assert ra[key] == rb[key], (key, ra[key], rb[key])
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (key, ra[key], rb[key])
+    assert a[-1]["actor/kl_loss"] > 0.0  # the adapters moved away from the reference
+    from rldispatch.commands.export import read_checkpoint
+
+    backend, step, _, saved = read_checkpoint(meg / "checkpoints" / "step_3")
+    assert (backend, step) == ("megatron", 3)
+    assert sum(1 for n in saved if is_adapter_name(n)) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)

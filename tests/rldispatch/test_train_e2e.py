@@ -75,12 +75,13 @@ def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_ppo_on_megatron_tp2_checkpoints_and_resumes_the_critic(torchrun, tmp_path):
-    """ppo_tiny on actor.backend=megatron with TP 2 (the critic in the actor's parallel state), dropped groups
-    replaced by padding samples, invariants on; the critic's checkpoint sits beside the actor's, and a run resumed
-    from step 1 (the critic's warm-up: two AdamW steps of the critic alone) takes the same step 2."""
+    """ppo_tiny on actor.backend=megatron with TP 2 (the critic in the actor's parallel state) and a LoRA actor
+    (the critic trains all its weights), dropped groups replaced by padding samples, invariants on; the critic's
+    checkpoint sits beside the actor's, and a run resumed from step 1 (the critic's warm-up: two AdamW steps of the
+    critic alone) takes the same step 2."""
     common = ["--config", "ppo_tiny", *SMALL, *_data_args(tmp_path), "trainer.val_freq=0", "actor.backend=megatron",
               "actor.megatron.tp=2", "debug.inject_rollout_failures=0.3", "critic.warmup_steps=1",
-              "trainer.total_steps=2"]
+              "trainer.total_steps=2", "actor.lora.rank=4", "actor.lora.alpha=8"]
     full, split = tmp_path / "full", tmp_path / "split"
     torchrun(TRAIN, 2, *common, f"trainer.run_dir={full}", "trainer.save_freq=1", "debug.check_invariants=true",
              timeout=400)
@@ -96,6 +97,7 @@ def test_ppo_on_megatron_tp2_checkpoints_and_resumes_the_critic(torchrun, tmp_pa
             assert key in r and r[key] == r[key], (key, r)
     ckpt = full / "checkpoints" / "step_1"
     assert (ckpt / "engine_state.pt").is_file() and (ckpt / "critic" / "engine_state.pt").is_file()
+    _check_lora_actor_beside_full_critic(full / "checkpoints")
 
     torchrun(TRAIN, 2, *common, f"trainer.run_dir={split}", f"trainer.resume={ckpt}", timeout=400)
     a, b = records[1], _metrics(split)[-1]
@@ -105,6 +107,26 @@ def test_ppo_on_megatron_tp2_checkpoints_and_resumes_the_critic(torchrun, tmp_pa
     for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "critic/vf_explained_var",
                 "actor/loss", "actor/grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+
+
+def _check_lora_actor_beside_full_critic(ckpts: Path) -> None:
+    """From step 1 to step 2 the actor's base stays and its adapters move; every critic layer weight moves."""
+    import torch
+
+    from backends.megatron.checkpoint import read_model_weights
+    from backends.model.config import ModelConfig
+    from backends.model.lora import is_adapter_name
+    from rldispatch.commands.export import read_checkpoint
+
+    (_, _, run_cfg, a1), (_, _, _, a2) = (read_checkpoint(ckpts / f"step_{s}") for s in (1, 2))
+    base = [n for n in a1 if not is_adapter_name(n)]
+    assert len(base) < len(a1) and all(torch.equal(a1[n], a2[n]) for n in base), "the actor's base moved"
+    assert any(not torch.equal(a1[n], a2[n]) for n in a1 if n.endswith("lora_B")), "the adapters did not move"
+    cfg = ModelConfig(**run_cfg["model"])
+    c1, c2 = (read_model_weights(str(ckpts / f"step_{s}" / "critic"), cfg) for s in (1, 2))
+    layers = [n for n in c1 if n.startswith("layers.")]
+    assert layers and not any(is_adapter_name(n) for n in c1)
+    assert all(not torch.equal(c1[n], c2[n]) for n in layers), "a critic weight did not train"
 
 
 @pytest.mark.dist
