@@ -1,4 +1,4 @@
-"""Benchmark: peak RSS per rank and step time of a LoRA actor against full fine-tuning (FSDP2, CPU ranks).
+"""Benchmark: peak RSS per rank and step time of a LoRA actor against full fine-tuning (FSDP2 or Megatron, CPU ranks).
 
 Each mode runs in its own torchrun launch (so each rank's peak RSS is that mode's alone) on a Hugging Face folder,
 with what a GRPO step keeps in memory: the actor engine, the reference (full fine-tuning: a second frozen engine;
@@ -7,6 +7,12 @@ LoRA: the actor with adapters off, no second model) and the rollout's model copy
 loss, weight sync to the rollout copy, on random token sequences.
 
     OMP_NUM_THREADS=1 python scripts/bench_lora.py --model /work/models/smollm2 --steps 2 --out runs/bench_lora.json
+    OMP_NUM_THREADS=1 python scripts/bench_lora.py --model /work/models/smollm2 --backend megatron --tp 2 \
+        --out runs/bench_lora_megatron.json
+
+On Megatron the full fine-tuning reference is the actor's own model with the frozen initial weights swapped in
+(the engine keeps one megatron-core parallel state per process), so it holds a full weight copy, not a second
+engine; with LoRA it is the actor with adapters off.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from backends.base import Share, get_engine_class  # noqa: E402
-from backends.config import EngineConfig, LoraConfig, OptimConfig, PolicyLossConfig  # noqa: E402
+from backends.config import EngineConfig, LoraConfig, MegatronConfig, OptimConfig, PolicyLossConfig  # noqa: E402
 from protocol.batch.nested import to_nested  # noqa: E402
 
 MODES = ("full", "lora")
@@ -66,17 +72,23 @@ def worker(args) -> None:
     cfg = read_hf_config(args.model)
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank) if args.mode == "lora" else LoraConfig()
     ec = EngineConfig(model=cfg, optim=OptimConfig(name="adamw", lr=1e-5), seed=0, lora=lora,
-                      loss=PolicyLossConfig(use_kl_loss=True))
+                      loss=PolicyLossConfig(use_kl_loss=True), megatron=MegatronConfig(tp=args.tp))
+    topo = None
+    if args.backend == "megatron":
+        from dispatch.topology import Topology
+
+        topo = Topology.from_config(ec.megatron, dist.get_world_size())
     rss0 = _current_rss_mib()
     t0 = time.perf_counter()
-    engine_cls = get_engine_class("fsdp")
-    actor = engine_cls(ec, None)
-    ref = build_reference("fsdp", engine_cls, ec, None, actor)
+    engine_cls = get_engine_class(args.backend)
+    actor = engine_cls(ec, topo)
+    ref = build_reference(args.backend, engine_cls, ec, topo, actor)
     sampler = LlamaModel(cfg)  # the rollout's copy of the policy (every rank, as each DP replica generates)
     sampler.requires_grad_(False)
     build_s = time.perf_counter() - t0
-    trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in actor.model.parameters())
+    modules = actor.chunks if args.backend == "megatron" else [actor.model]
+    trainable = sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
+    total = sum(p.numel() for m in modules for p in m.parameters())  # megatron: this rank's shard
     mbs = [list(range(i, min(args.samples, i + args.micro))) for i in range(0, args.samples, args.micro)]
     stages: dict[str, list[float]] = {k: [] for k in ("ref", "old", "update", "sync", "step")}
     for step in range(args.warmup + args.steps):
@@ -95,7 +107,7 @@ def worker(args) -> None:
         for key, a, b in zip(("ref", "old", "update", "sync"), marks, marks[1:]):
             stages[key].append(b - a)
         stages["step"].append(marks[-1] - marks[0])
-    result = {"rank": rank, "mode": args.mode, "peak_rss_mib": _rss_mib(), "rss_before_mib": rss0,
+    result = {"rank": rank, "mode": args.mode, "backend": args.backend, "tp": args.tp, "peak_rss_mib": _rss_mib(), "rss_before_mib": rss0,
               "build_s": build_s, "trainable_params": trainable, "params": total,
               "second_model": type(ref).__name__ != "AdapterFreeReference",
               **{f"{k}_s": statistics.median(v[args.warmup:]) for k, v in stages.items()}}
@@ -114,6 +126,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a local Hugging Face folder (e.g. SmolLM2-135M-Instruct)")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--backend", choices=("fsdp", "megatron"), default="fsdp")
+    ap.add_argument("--tp", type=int, default=1, help="megatron: tensor-parallel degree (the rest is DP)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank, all projections)")
     ap.add_argument("--samples", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
@@ -136,13 +150,15 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
                    "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker", "--mode", mode,
                    "--result-dir", tmp, "--model", args.model, "--rank", str(args.rank),
+                   "--backend", args.backend, "--tp", str(args.tp),
                    "--samples", str(args.samples), "--micro", str(args.micro), "--prompt", str(args.prompt),
                    "--response", str(args.response), "--steps", str(args.steps), "--warmup", str(args.warmup)]
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                    "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
             subprocess.run(cmd, check=True, env=env)
             rows += [json.load(open(os.path.join(tmp, f"{mode}_rank{r}.json"))) for r in range(args.nproc)]
-    print(f"\n{'mode':<6}{'rank':>5}{'trainable':>12}{'2nd model':>10}{'peak RSS MiB':>14}{'step s':>9}"
+    print(f"\nbackend {args.backend}" + (f" (tp={args.tp})" if args.backend == "megatron" else ""))
+    print(f"{'mode':<6}{'rank':>5}{'trainable':>12}{'2nd model':>10}{'peak RSS MiB':>14}{'step s':>9}"
           f"{'ref s':>8}{'old s':>8}{'update s':>10}{'sync s':>8}{'build s':>9}")
     for r in rows:
         print(f"{r['mode']:<6}{r['rank']:>5}{r['trainable_params']:>12,}{'yes' if r['second_model'] else 'no':>10}"

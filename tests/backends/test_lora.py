@@ -336,7 +336,8 @@ def test_one_rank_engine_merges_without_touching_its_parameters_and_the_rollout_
 @pytest.mark.slow
 def test_megatron_lora_equals_fsdp_lora_resumes_and_exports(torchrun, tmp_path):
     """megatron LoRA (TP2, PP2, PP2 x VPP2, TP2 x PP2; all-linear and a partial target list) against FSDP LoRA on
-    the same seed and data; resume with the distributed optimizer; export merged + PEFT from its checkpoint."""
+    the same seed and data; dropout keeps replicated adapters equal over TP; resume with the distributed optimizer;
+    export merged + PEFT from its checkpoint."""
     import sys
 
     sys.path.insert(0, str(WORKER.parent))
@@ -347,7 +348,7 @@ def test_megatron_lora_equals_fsdp_lora_resumes_and_exports(torchrun, tmp_path):
     ckpt = tmp_path / "ckpt"
     out = torchrun(WORKER.parent / "megatron_lora_worker.py", 4, "--path", str(ckpt), timeout=400)
     for case in ("tp=2 pp=1 vpp=1 dp=2", "tp=1 pp=2 vpp=1 dp=2", "tp=1 pp=2 vpp=2 dp=2", "tp=2 pp=2 vpp=1 dp=1",
-                 "checkpoint tp=2 pp=2 dist_opt=True resume == uninterrupted"):
+                 "dropout tp=2", "checkpoint tp=2 pp=2 dist_opt=True resume == uninterrupted"):
         assert f"OK lora {case}" in out, f"{case} did not report OK:\n{out[-3000:]}"
     # the checkpoint (TP- and PP-sharded) reads back, in one process, as the engine's weights at the save
     saved = read_model_weights(str(ckpt), MODEL)

@@ -4,7 +4,7 @@ For TP2 x DP2, PP2 x DP2, TP2 x PP2 and PP2 x VPP2 x DP2 (one after another, par
 the plain megatron engine bit for bit; three optimizer steps give FSDP's loss and grad norm, FSDP's adapters and
 merged weights; only adapters are trainable, in the grad buffers and moved; the base stays bit-identical; the
 actor with adapters off is the plain engine; a decoder loaded with the merged weights gives the actor's log-probs.
-Then TP2 x PP2 with AdamW and the distributed optimizer saves a checkpoint (with a run config, as the trainer does)
+With adapter dropout, the replicated adapters stay equal over TP. Then TP2 x PP2 with AdamW and the distributed optimizer saves a checkpoint (with a run config, as the trainer does)
 and resumes it bit for bit. Prints one ``OK <check>`` line per passed check.
 """
 from __future__ import annotations
@@ -139,6 +139,31 @@ def megatron_case(par: MegatronConfig, lora: LoraConfig, batches, fsdp: dict) ->
         eng.close()
 
 
+def dropout_case(par: MegatronConfig, batches) -> None:
+    """With adapter dropout the replicated adapter matrices (column linears' A, row linears' B) stay identical on
+    the TP ranks: a column linear's input is replicated, so every TP rank must draw the same mask (else A's
+    gradient, and A, would differ between them)."""
+    from megatron.core import parallel_state as ps
+
+    topo = topology(par, dist.get_world_size())
+    pos = positions(topo)
+    lora = dataclasses.replace(LORA, dropout=0.5)
+    eng = MegatronEngine(engine_config(par, optim=SGD, lora=lora), topo)
+    try:
+        for b in batches:
+            eng.train_batch(share_of(b, pos, 2))
+        mine = {n: p.detach().clone() for c in eng.chunks for n, p in c.named_parameters() if p.requires_grad}
+        peers: list[dict] = [None] * ps.get_tensor_model_parallel_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(peers, mine, group=ps.get_tensor_model_parallel_group())
+        replicated = [n for c in eng.chunks for n, p in c.named_parameters()
+                      if p.requires_grad and not getattr(p, "tensor_model_parallel", False)]
+        assert replicated and all(torch.equal(peers[0][n], peer[n]) for peer in peers for n in replicated), \
+            "replicated adapters differ between TP ranks"
+    finally:
+        eng.close()
+    log(f"OK lora dropout tp={par.tp}: {len(replicated)} replicated adapters equal on every TP rank")
+
+
 def checkpoint_case(par: MegatronConfig, lora: LoraConfig, batches, path: str) -> None:
     """AdamW + distributed optimizer: save after two steps, resume the third bit for bit; the checkpoint carries
     the run config the export reads, and the merged weights at the save for the test to compare."""
@@ -188,6 +213,7 @@ def main() -> None:
         for tp, pp, vpp in cases:
             megatron_case(MegatronConfig(tp=tp, pp=pp, vpp=vpp, use_distributed_optimizer=False), lora, batches,
                           fsdp)
+    dropout_case(MegatronConfig(tp=2, use_distributed_optimizer=False), batches)
     checkpoint_case(MegatronConfig(tp=2, pp=2, use_distributed_optimizer=True), PARTIAL, batches, args.path)
 
 
