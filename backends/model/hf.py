@@ -20,7 +20,8 @@ from backends.model.config import MODEL_TYPES, ModelConfig
 from backends.model.llama import LlamaModel, parameter_shapes
 
 __all__ = ["HFCheckpointError", "config_from_hf", "hf_config_dict", "read_hf_config", "convert_hf_state_dict",
-           "to_hf_state_dict", "load_hf_checkpoint", "initial_model", "check_hf_config", "HF_ARCHITECTURES"]
+           "to_hf_state_dict", "read_weight_files", "load_hf_checkpoint", "initial_model", "check_hf_config",
+           "HF_ARCHITECTURES"]
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM"}
@@ -225,7 +226,8 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     return {(n if n == "lm_head.weight" else f"model.{n}"): t for n, t in sd.items()}
 
 
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
+def read_weight_files(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's ``*.safetensors`` (else ``pytorch_model*.bin``) files, Hugging Face names."""
     files = sorted(os.listdir(path))
     st = [f for f in files if f.endswith(".safetensors")]
     bins = [f for f in files if f.endswith(".bin") and f.startswith("pytorch_model")]
@@ -273,7 +275,7 @@ def read_hf_config(path: str) -> ModelConfig:
 def load_hf_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> LlamaModel:
     """A LlamaModel holding the weights of the local Hugging Face checkpoint in directory ``path``."""
     cfg = read_hf_config(path)
-    sd = convert_hf_state_dict(_read_weights(path), cfg)
+    sd = convert_hf_state_dict(read_weight_files(path), cfg)
     model = LlamaModel(cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
     return model.to(dtype)

@@ -41,8 +41,12 @@ def make_chatml_tokenizer(out: str | Path | None = None, vocab_size: int = 320):
 
 def make_checkpoint(out: str | Path, arch: str = "qwen2", vocab_size: int = 320, tie: bool = False, seed: int = 0,
                     scale: float = 4.0, num_layers: int = 2, tokenizer: bool = True,
-                    generation_eos: tuple[int, ...] | None = None, max_shard_size: str | None = None) -> Path:
+                    generation_eos: tuple[int, ...] | None = None, max_shard_size: str | None = None,
+                    classifier: bool = False) -> Path:
     """A random tiny ``arch`` (``qwen2``, ``qwen3``, ``llama``, ``llama3``) checkpoint written by transformers.
+
+    ``classifier``: the family's ``*ForSequenceClassification`` with one label (a reward model; its
+    ``pad_token_id`` is the tokenizer's pad, ``<|endoftext|>`` = id 0) instead of the causal LM.
 
     Every matrix is ``normal(0, scale / sqrt(fan_in))`` (biases too, for Qwen2), norms ``1 + 0.1 * noise``. With
     ``tokenizer`` the ChatML tokenizer is saved alongside; ``generation_eos`` writes generation_config.json's
@@ -73,6 +77,9 @@ def make_checkpoint(out: str | Path, arch: str = "qwen2", vocab_size: int = 320,
         cls = transformers.LlamaForCausalLM
     else:
         raise ValueError(f"make_checkpoint: arch must be 'qwen2', 'qwen3', 'llama' or 'llama3', got {arch!r}")
+    if classifier:
+        cls = getattr(transformers, cls.__name__.replace("ForCausalLM", "ForSequenceClassification"))
+        cfg.num_labels, cfg.pad_token_id = 1, 0
     torch.manual_seed(seed)
     model = cls(cfg)
     gen = torch.Generator().manual_seed(seed)
@@ -92,5 +99,6 @@ def make_checkpoint(out: str | Path, arch: str = "qwen2", vocab_size: int = 320,
             raise ValueError(f"the tiny tokenizer has {len(hf)} tokens, more than vocab_size={vocab_size}")
         eos = (hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")) \
             if generation_eos is None else generation_eos
-        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos)}))
+        if not classifier:
+            (out / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos)}))
     return out

@@ -1,0 +1,76 @@
+"""The discriminative reward model against transformers' own ``*ForSequenceClassification`` on the same folder."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
+import hf_tiny  # noqa: E402
+
+from backends.model.reward_model import (RewardModelError, last_token_positions, load_reward_model,  # noqa: E402
+                                         read_reward_config)
+
+LENS = (7, 3, 11, 1, 5)
+
+
+def _batch(vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g) for n in LENS]  # id 0 is the pad token: never content
+
+
+def _packed(rows: list[torch.Tensor]):
+    ids = torch.cat(rows)
+    pos = torch.cat([torch.arange(len(r)) for r in rows])
+    cu = torch.tensor([0, *[len(r) for r in rows]]).cumsum(0).to(torch.int32)
+    return ids, pos, cu
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_scores_equal_transformers_sequence_classification(tmp_path, arch):
+    """Mixed lengths (one of a single token) right-padded for transformers, packed for the project: the score of
+    each sequence equals transformers' to fp32 rounding, whether scored together or one at a time."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = hf_tiny.make_checkpoint(tmp_path / arch, arch, classifier=True, tokenizer=False)
+    ours = load_reward_model(str(folder))
+    theirs = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+    rows = _batch(ours.cfg.vocab_size)
+    width = max(LENS)
+    padded = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)], mask[i, : len(r)] = r, 1
+    with torch.no_grad():
+        want = theirs(input_ids=padded, attention_mask=mask).logits[:, 0]
+        got = ours(*_packed(rows))
+        alone = torch.cat([ours(*_packed([r])) for r in rows])
+    assert got.dtype == torch.float32 and got.shape == (len(rows),)
+    assert want.abs().max() > 0.1, "the head reads something"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # alone vs together: the same sums in GEMMs of other shapes, rounded differently (as against transformers)
+    torch.testing.assert_close(alone, got, rtol=1e-5, atol=1e-5)
+
+
+def test_last_token_positions_and_empty_sequences():
+    assert last_token_positions(torch.tensor([0, 3, 4, 9], dtype=torch.int32)).tolist() == [2, 3, 8]
+    with pytest.raises(ValueError, match="non-empty"):
+        last_token_positions(torch.tensor([0, 3, 3], dtype=torch.int32))
+
+
+def test_a_folder_that_is_no_reward_model_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(RewardModelError, match=r"reward\.model\.hf_path=.*is not a folder"):
+        read_reward_config(str(tmp_path / "missing"))
+    causal = hf_tiny.make_checkpoint(tmp_path / "causal", "qwen2", tokenizer=False)
+    with pytest.raises(RewardModelError, match=r"reward\.model\.hf_path=.*Qwen2ForCausalLM.*ForSequenceClassification"):
+        read_reward_config(str(causal))
+    two = hf_tiny.make_checkpoint(tmp_path / "two", "qwen2", classifier=True, tokenizer=False)
+    raw = json.loads((two / "config.json").read_text())
+    raw.update(num_labels=2, id2label={"0": "a", "1": "b"}, label2id={"a": 0, "b": 1})
+    (two / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(RewardModelError, match=r"num_labels=2"):
+        read_reward_config(str(two))
