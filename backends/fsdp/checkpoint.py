@@ -112,29 +112,28 @@ def load_full_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def load_hf_shards(model, path: str, skip: tuple[str, ...] = ()) -> int:
+def load_hf_shards(model, path: str, skip: tuple[str, ...] = (), *, convert=None) -> int:
     """Fill ``model`` (fully sharded, materialised with ``to_empty``) from the Hugging Face checkpoint ``path``.
 
     Each rank reads only its own rows of each parameter from the safetensors files (one file or a sharded
     ``model.safetensors.index.json``), so no rank ever holds the full model. Names, shapes and missing or unexpected
-    weights are checked against the config from the file headers before any data is read. Returns the number of
-    bytes this rank read. ``skip``: parameters of ``model`` that no checkpoint holds (a critic's value head), left
-    for the caller to fill.
+    weights are checked against the config from the file headers before any data is read (``convert``: the checker
+    and name map of the folder's kind, default :func:`backends.model.hf.convert_hf_state_dict` of a causal LM).
+    Returns the number of bytes this rank read. ``skip``: parameters of ``model`` that no checkpoint holds (a
+    critic's value head), left for the caller to fill.
     """
-    from backends.model.hf import convert_hf_state_dict, to_hf_state_dict
-    from backends.model.llama import parameter_shapes
+    from backends.model.hf import convert_hf_state_dict
     from backends.model.hf_files import SafetensorsFolder
+    from backends.model.lora import is_adapter_name
 
     cfg = model.cfg
     folder = SafetensorsFolder(path)
     headers = {n: torch.empty(folder.shape(n), device="meta") for n in folder.names()}
-    convert_hf_state_dict(headers, cfg)  # missing / unexpected / misshapen weights, named, before reading data
-    from backends.model.lora import is_adapter_name
-
+    (convert or convert_hf_state_dict)(headers, cfg)  # missing / unexpected / misshapen, named, before any data
     # adapters start from the seed; a critic's head is filled by its caller (skip)
     params = {n: p for n, p in model.named_parameters() if n not in skip and not is_adapter_name(n)}
-    # the decoder's full name set (a critic has no lm_head to read); a parameter outside it is an error below
-    hf_names = {project: hf for hf, project in to_hf_state_dict({n: n for n in parameter_shapes(cfg)}, cfg).items()}
+    # project name -> the folder's name (the decoder sits under "model."; heads at the top level)
+    hf_names = {(h[len("model."):] if h.startswith("model.") else h): h for h in folder.names()}
     unknown = sorted(set(params) - set(hf_names))
     if unknown:
         raise CheckpointError(f"parameters {unknown[:6]} have no weight in a Hugging Face checkpoint; pass them as "

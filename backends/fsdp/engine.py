@@ -93,8 +93,9 @@ class FSDPEngine(Engine):
         self.model = self._build_model(MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
         # with LoRA only the adapters train: they alone get gradients, optimizer state and pre-step snapshots
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.trainable, config.optim)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
+        # a frozen model (a reward model) has nothing to optimise
+        self.optimizer = build_optimizer(self.trainable, config.optim) if self.trainable else None
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim) if self.trainable else None
         self.global_step = 0
         # FSDP averages gradients over all `world` ranks of its mesh. Each DP replica's loss is its share of the
         # step loss (normalised by the global counts); its sp ranks all carry that whole share, and the sequence

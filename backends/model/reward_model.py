@@ -57,12 +57,14 @@ class RewardModel(LlamaModel):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 attention: AttentionFn | None = None, logits_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Scores [n] at each sequence's last token, or at ``logits_positions`` (packed indices) when given."""
+        """Scores [n] at each sequence's last token, or at ``logits_positions`` (packed indices) when given; with
+        ``attention`` (sequence parallel: this rank's slice of the tokens) the head's value at every local token."""
         if attention is None and input_ids.dim() == 1:
             check_cu_seqlens(cu_seqlens, input_ids.shape[0])
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, attention)
-        idx = last_token_positions(cu_seqlens) if logits_positions is None else logits_positions
-        h = h.index_select(0, idx.to(h.device))
+        if attention is None or logits_positions is not None:
+            idx = last_token_positions(cu_seqlens) if logits_positions is None else logits_positions
+            h = h.index_select(0, idx.to(h.device))
         return torch.mv(h, self.score.weight[0].to(h.dtype)).float()
 
 

@@ -74,3 +74,16 @@ def test_a_folder_that_is_no_reward_model_is_refused_naming_the_key(tmp_path):
     (two / "config.json").write_text(json.dumps(raw))
     with pytest.raises(RewardModelError, match=r"num_labels=2"):
         read_reward_config(str(two))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_fsdp_reward_model_engine_on_two_ranks_scores_as_one_process(torchrun, tmp_path):
+    """Sharded folder, DP=2 and Ulysses SP=2, one sample per micro-batch or all in one: the same scores, padding
+    samples 0, each score at the last policy token of its ``rm_scores`` row."""
+    folder = hf_tiny.make_checkpoint(tmp_path / "rm", "qwen2", classifier=True, tokenizer=False,
+                                     max_shard_size="40KB")
+    out = torchrun(Path(__file__).resolve().parent.parent / "dist" / "reward_model_worker.py", 2, str(folder),
+                   timeout=300)
+    for check in ("dp=2 sp=1", "dp=1 sp=2"):
+        assert f"OK reward model {check}" in out, out[-3000:]
