@@ -547,6 +547,45 @@ def _check_reward(cfg: RunConfig) -> None:
         cfg.custom_reward_function.load(batch=r.manager == "batch")
     except (RewardError, ImportError) as exc:
         raise ConfigError(str(exc)) from exc
+    if r.model.enabled:
+        _check_reward_model(cfg)
+
+
+def _check_reward_model(cfg: RunConfig) -> None:
+    """``reward.model``: a one-label sequence-classification folder that reads the policy's token ids (same
+    vocabulary), on a backend that runs it; everything here happens before any collective."""
+    import os
+
+    from backends.model.hf import HFCheckpointError
+    from backends.model.reward_model import read_reward_config
+
+    rm = cfg.reward.model
+    if cfg.actor.backend != "fsdp":
+        raise ConfigError(f"reward.model.hf_path with actor.backend={cfg.actor.backend}: the reward model runs on "
+                          f"the FSDP engine only; set actor.backend=fsdp or remove reward.model.hf_path")
+    try:
+        found = read_reward_config(rm.hf_path)
+    except HFCheckpointError as exc:
+        raise ConfigError(str(exc)) from exc
+    if found.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(f"reward.model.hf_path={rm.hf_path!r} has vocab_size={found.vocab_size}, the policy "
+                          f"(model.vocab_size) {cfg.model.vocab_size}: the reward model reads the policy's token "
+                          f"ids, so their vocabularies must be the same")
+    policy_tok = cfg.data.tokenizer if cfg.data.tokenizer not in ("", "char") else cfg.model.hf_path
+    files = ("tokenizer.json", "tokenizer_config.json")
+    if policy_tok and any(os.path.isfile(os.path.join(rm.hf_path, f)) for f in files) \
+            and any(os.path.isfile(os.path.join(policy_tok, f)) for f in files):
+        from transformers import AutoTokenizer
+
+        mine, theirs = (AutoTokenizer.from_pretrained(p, local_files_only=True).get_vocab()
+                        for p in (rm.hf_path, policy_tok))
+        if mine != theirs:
+            differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            raise ConfigError(f"reward.model.hf_path={rm.hf_path!r}: its tokenizer's vocabulary differs from the "
+                              f"policy's ({policy_tok}), e.g. {differ}; the reward model reads the policy's token ids")
+    if rm.max_length is not None and rm.max_length > found.max_position_embeddings:
+        raise ConfigError(f"reward.model.max_length={rm.max_length} exceeds the reward model's "
+                          f"max_position_embeddings={found.max_position_embeddings}")
 
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"

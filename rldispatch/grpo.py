@@ -57,6 +57,7 @@ from rldispatch.rollout import TRAIN, VAL, LocalRollout
 from rldispatch.run_dir import claim_run_dir
 from rldispatch.schedules import Seams, schedule_class
 from rldispatch.step_state import StepState
+from rldispatch.reward_model import RM_FIELD, RewardModelRole
 from rldispatch.trace import TraceRecorder
 
 __all__ = ["GRPOTrainer", "NoUsableGroupsError"]
@@ -92,6 +93,7 @@ class GRPOTrainer:
                                           self.engine) if cfg.ref.enabled else None
         self.store = ShardedStore(LocalStore(), device=ctx.device)
         self.critic = CriticRole(cfg, self.topology, self.store) if cfg.critic.enabled else None
+        self.reward_model = RewardModelRole(cfg, self.topology, self.store) if cfg.reward.model.enabled else None
         self.bridge = StoreBridge(self.engine, self.store)
         self.ref_bridge = StoreBridge(self.ref_engine, self.store) if self.ref_engine is not None else None
 
@@ -196,6 +198,8 @@ class GRPOTrainer:
             batch = self._stage("ref", st, self._compute_ref_log_prob, batch)  # 6. reference log-probs, KL
         if self.critic is not None:
             batch = self._stage("values", st, self._compute_values, batch)   # 6b. the critic's values
+        if self.reward_model is not None:
+            batch = self._stage("reward_model", st, self._compute_rm_scores, batch)  # 6c. the reward model
         batch = self._stage("advantage", st, self._compute_advantage, batch)  # 7. rewards -> advantages
         if self.critic is not None:
             batch = self._stage("critic_update", st, self._update_critic, batch)  # 7b. value loss, same batches
@@ -262,7 +266,9 @@ class GRPOTrainer:
 
     def _compute_reward(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         result = self._score(st.own, TRAIN, self.stream.rows, st.own_pad)
-        st.stats.masked("reward/score", result.scores.double(), st.own_pad)
+        # with a reward model the rule's scores are a metric of their own; reward/score is the combination
+        st.stats.masked("reward/rule" if self.reward_model is not None else "reward/score", result.scores.double(),
+                        st.own_pad)
         self._reward_extra_metrics(result, st.own_pad, st.stats)
         st.stats.sum("samples/real", float((~st.own_pad).sum()))
         st.stats.sum("samples/padding", float(st.own_pad.sum()))
@@ -276,7 +282,8 @@ class GRPOTrainer:
         st.mine = st.plan.rank_meta(full, self.dp_rank)
         recompute = cfg.rollout.log_prob_mode == "recompute"
         st.infer_inputs = self.bridge.fetch_infer_inputs(st.mine, self._infer_wants(st)) \
-            if recompute or self.ref_bridge is not None or self.critic is not None else None
+            if recompute or self.ref_bridge is not None or self.critic is not None or self.reward_model is not None \
+            else None
         if recompute:
             with st.compute.region("infer"):
                 self.bridge.infer(st.mine, st.plan.infer_micro_batches(self.dp_rank),
@@ -305,6 +312,15 @@ class GRPOTrainer:
             self.critic.infer_values(st)
         self.store.sync()
         self._trace("values", st.sampled, ["values"], "critic.infer_batch", "advantage")
+        return full
+
+    def _compute_rm_scores(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
+        """The reward model's score of every trajectory, on the inference share the log-probs used (no new fetch);
+        combined with the rule-based scores in the advantage stage."""
+        with st.compute.region("infer"):
+            self.reward_model.score(st)
+        self.store.sync()
+        self._trace("reward_model", st.sampled, [RM_FIELD], "reward_model.infer_batch", "advantage")
         return full
 
     def _kl_metrics(self, st: StepState, inputs: TensorDict) -> None:

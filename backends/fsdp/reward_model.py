@@ -8,6 +8,7 @@ a padding sample's row is all zero. The score is read at the last token of the w
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -16,7 +17,8 @@ from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.engine import FSDPEngine
 from backends.fsdp.share import read_share
 from backends.fsdp.ulysses import gather_seq, pad_to_multiple
-from backends.model.reward_model import RewardModel, last_token_positions, read_reward_config, reward_state_dict
+from backends.model.reward_model import (RewardModel, RewardModelError, last_token_positions, read_reward_config,
+                                         reward_state_dict)
 from protocol.algos.reward import compute_rm_scores
 from protocol.batch.nested import to_nested
 
@@ -25,7 +27,20 @@ __all__ = ["FSDPRewardModelEngine"]
 
 class FSDPRewardModelEngine(FSDPEngine):
     """``config.model.hf_path``: the reward model folder; its architecture comes from that folder. Frozen, eval
-    mode, inference only (no optimizer)."""
+    mode, inference only (no optimizer).
+
+    ``max_length`` (default: the model's ``max_position_embeddings``): a longer sequence is an error
+    (``truncation="error"``) or keeps its last ``max_length`` tokens (``"left"``; counted in ``rm_truncated``).
+    ``micro_batch_size``: at most that many sequences per forward, cutting the share's micro-batches further (the
+    scores do not depend on the split)."""
+
+    def __init__(self, config, topology=None, *, max_length: int | None = None, truncation: str = "error",
+                 micro_batch_size: int | None = None) -> None:
+        if truncation not in ("error", "left"):
+            raise ValueError(f"reward.model.truncation must be 'error' or 'left', got {truncation!r}")
+        self.truncation, self.micro_batch_size = truncation, micro_batch_size
+        super().__init__(config, topology)
+        self.max_length = int(max_length or self.model.cfg.max_position_embeddings)
 
     def _build_model(self, mp: MixedPrecisionPolicy) -> RewardModel:
         path = self.config.model.hf_path
@@ -54,6 +69,16 @@ class FSDPRewardModelEngine(FSDPEngine):
         per_token = self.model(ids_p[local], pos_p[local], cu_p, attention=self._attention)
         return gather_seq(per_token, self.sp_group)[:total].index_select(0, last_token_positions(cu)).cpu()
 
+    def _parts_per_micro_batch(self, share: Share) -> list[int]:
+        """How many forwards each micro-batch takes: 1, or with ``micro_batch_size`` the most any rank needs for it
+        (one collective; a rank with fewer sequences runs its extra forwards on one token)."""
+        if self.micro_batch_size is None:
+            return [1] * len(share.micro_batches)
+        need = torch.tensor([-(-len(mb) // self.micro_batch_size) for mb in share.micro_batches], dtype=torch.int64,
+                            device=self.device)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        return [max(int(k), 1) for k in need]
+
     @torch.no_grad()
     def infer_batch(self, share: Share, *, temperature: float = 1.0, with_entropy: bool = False):
         """``rm_scores`` of the share's samples, jagged, in share order, on SP rank 0 of each replica (else None).
@@ -62,18 +87,29 @@ class FSDPRewardModelEngine(FSDPEngine):
             raise ValueError("a reward model has no entropy: call infer_batch with with_entropy=False")
         view = read_share(share, train=False, max_tokens=self.config.max_token_len_per_gpu)
         scores = torch.zeros(view.n)
+        truncated = torch.tensor([n > self.max_length for n in view.seq_lens])
+        if self.truncation == "error" and bool(truncated.any()):
+            j = int(truncated.nonzero()[0])
+            raise RewardModelError(f"a sequence of {view.seq_lens[j]} tokens exceeds reward.model.max_length="
+                                   f"{self.max_length}; raise it or set reward.model.truncation=left (keep the "
+                                   f"last {self.max_length} tokens)")
+        rows = [ids[-self.max_length:] for ids in view.input_ids]
         try:
-            for mb in share.micro_batches:
-                if mb:
-                    scores[list(mb)] = self._scores([view.input_ids[j] for j in mb])
+            for mb, n_parts in zip(share.micro_batches, self._parts_per_micro_batch(share)):
+                for part in torch.tensor_split(torch.tensor(list(mb), dtype=torch.long), n_parts):
+                    part = part.tolist()
+                    if part:
+                        scores[part] = self._scores([rows[j] for j in part])
+                    else:  # every rank runs as many forwards (each gathers the sharded weights): a 1-token one
+                        self._scores([rows[mb[0]][-1:] if mb else torch.zeros(1, dtype=torch.long)])
         finally:
             ckpt.reshard(self.model)  # a no-grad forward leaves the root's parameters gathered: free them
         if view.is_padding is not None:
             scores = torch.where(view.is_padding.bool(), 0.0, scores)
         if not self.is_reporting_rank:
             return None
-        rows = compute_rm_scores(scores, to_nested([m.cpu() for m in view.response_mask]))
-        return TensorDict({"rm_scores": rows, "scores": scores}, batch_size=[view.n])
+        placed = compute_rm_scores(scores, to_nested([m.cpu() for m in view.response_mask]))
+        return TensorDict({"rm_scores": placed, "scores": scores, "rm_truncated": truncated}, batch_size=[view.n])
 
     def train_batch(self, share: Share) -> dict[str, float]:
         raise RuntimeError("the reward model is frozen: it has no train_batch")

@@ -50,6 +50,7 @@ import protocol.rollout.tasks  # noqa: F401  (the learnable tasks register their
 
 __all__ = [
     "GSM8KTrainConfig",
+    "RewardModelConfig",
     "RewardError",
     "UnknownDataSourceError",
     "Scorer",
@@ -374,6 +375,37 @@ class GSM8KTrainConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """``reward.model``: a discriminative reward model (a one-label ``*ForSequenceClassification`` folder) scoring
+    every trajectory (prompt + response) on the training ranks. The trajectory's score is
+    ``weight * model score + rule_weight * rule score``; with the default ``rule_weight`` 0 the model's score
+    replaces the rule-based one, which stays a metric (``reward/rule/*``)."""
+
+    hf_path: str | None = None  # a one-label *ForSequenceClassification folder (None: no reward model)
+    weight: float = 1.0  # the model score's weight in the trajectory score
+    rule_weight: float = 0.0  # the rule-based score's weight (0: the model's replaces it; it stays a metric)
+    max_length: int | None = None  # longest sequence it scores (None: its max_position_embeddings)
+    truncation: Literal["error", "left"] = "error"  # a longer one: an error, or keep its last max_length tokens
+    micro_batch_size: int | None = None  # sequences per forward (None: the plan's inference micro-batches)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.hf_path)
+
+    def __post_init__(self) -> None:
+        if self.hf_path == "":
+            self.hf_path = None
+        for key in ("weight", "rule_weight"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RewardError(f"reward.model.{key} must be a finite number, got {value!r}")
+        for key in ("max_length", "micro_batch_size"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise RewardError(f"reward.model.{key} must be a positive integer or null, got {value!r}")
+
+
+@dataclass
 class RewardConfig:
     """The ``reward`` section: which reward manager scores the rollouts, and its settings."""
 
@@ -381,6 +413,7 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     math_verify: bool = False  # MATH data sources by math-verify's equivalence instead of string normalisation
     gsm8k_train: GSM8KTrainConfig = field(default_factory=GSM8KTrainConfig)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
         if self.manager not in known_reward_managers():

@@ -87,3 +87,57 @@ def test_fsdp_reward_model_engine_on_two_ranks_scores_as_one_process(torchrun, t
                    timeout=300)
     for check in ("dp=2 sp=1", "dp=1 sp=2"):
         assert f"OK reward model {check}" in out, out[-3000:]
+
+
+def test_reward_model_config_errors_are_one_line_naming_the_key_at_load(tmp_path):
+    """Before any collective: a missing folder, a causal LM, a vocabulary that is not the policy's, a backend that
+    does not run it, and bad values of the section's own keys."""
+    from rldispatch.config import ConfigError, load_config
+
+    good = hf_tiny.make_checkpoint(tmp_path / "rm", "qwen2", classifier=True, tokenizer=False, vocab_size=128)
+    wrong_vocab = hf_tiny.make_checkpoint(tmp_path / "rm320", "qwen2", classifier=True, tokenizer=False)
+    causal = hf_tiny.make_checkpoint(tmp_path / "lm", "qwen2", tokenizer=False, vocab_size=128)
+    cases = [
+        ([f"reward.model.hf_path={tmp_path}/none"], "reward.model.hf_path", "is not a folder"),
+        ([f"reward.model.hf_path={causal}"], "reward.model.hf_path", "not a *ForSequenceClassification"),
+        ([f"reward.model.hf_path={wrong_vocab}"], "reward.model.hf_path", "vocab_size=320, the policy"),
+        ([f"reward.model.hf_path={good}", "actor.backend=megatron"], "actor.backend=megatron",
+         "the reward model runs on the FSDP engine only"),
+        ([f"reward.model.hf_path={good}", "reward.model.max_length=100000"], "reward.model.max_length",
+         "exceeds the reward model's max_position_embeddings=256"),
+        (["reward.model.weight=.inf"], "reward.model.weight", "must be a finite number"),
+        (["reward.model.micro_batch_size=0"], "reward.model.micro_batch_size", "positive integer"),
+        (["reward.model.truncation=right"], "reward.model.truncation", "must be one of ['error', 'left']"),
+    ]
+    for overrides, key, text in cases:
+        with pytest.raises(ConfigError) as info:
+            load_config("grpo_tiny", overrides)
+        message = str(info.value)
+        assert key in message and text in message and "\n" not in message, (overrides, message)
+    assert load_config("grpo_tiny", [f"reward.model.hf_path={good}"]).reward.model.enabled
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_grpo_with_a_reward_model_trains_on_the_combined_score(torchrun, tmp_path):
+    """grpo_tiny on 2 ranks with a reward model beside the rule (weights 2 and 0.5), the reward model's forwards
+    cut to 3 sequences, dropped groups replaced by padding samples: every step reports the model's and the rule's
+    scores over the real samples and trains on 2 x model + 0.5 x rule."""
+    repo = Path(__file__).resolve().parents[2]
+    rm = hf_tiny.make_checkpoint(tmp_path / "rm", "qwen2", classifier=True, tokenizer=False, vocab_size=128)
+    run = tmp_path / "run"
+    torchrun(repo / "scripts" / "train.py", 2, "--config", str(repo / "configs" / "grpo_tiny.yaml"),
+             "trainer.progress_bar=false", "trainer.tensorboard=false", "data.val_batch_size=4",
+             "data.train_size=64", "data.val_size=8", f"data.train_files=[{tmp_path}/data/train.parquet]",
+             f"data.val_files=[{tmp_path}/data/val.parquet]", f"trainer.run_dir={run}", "trainer.total_steps=2",
+             "trainer.val_freq=0", f"reward.model.hf_path={rm}", "reward.model.weight=2",
+             "reward.model.rule_weight=0.5", "reward.model.micro_batch_size=3", "debug.inject_rollout_failures=0.3",
+             "debug.check_invariants=true", timeout=400)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert sum(r["dispatch/padding"] for r in records) > 0, "dropped groups must be replaced by padding samples"
+    for r in records:
+        want = 2 * r["reward/model/mean"] + 0.5 * r["reward/rule/mean"]
+        assert r["reward/score/mean"] == pytest.approx(want, rel=1e-6, abs=1e-6), r
+        assert r["reward/model/std"] > 0 and r["reward/model/truncated"] == 0.0
+        assert r["samples/real"] == r["replay/num_trajectories"] and "timing_s/reward_model" in r
