@@ -117,27 +117,38 @@ def test_reward_model_config_errors_are_one_line_naming_the_key_at_load(tmp_path
     assert load_config("grpo_tiny", [f"reward.model.hf_path={good}"]).reward.model.enabled
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-def test_grpo_with_a_reward_model_trains_on_the_combined_score(torchrun, tmp_path):
-    """grpo_tiny on 2 ranks with a reward model beside the rule (weights 2 and 0.5), the reward model's forwards
-    cut to 3 sequences, dropped groups replaced by padding samples: every step reports the model's and the rule's
-    scores over the real samples and trains on 2 x model + 0.5 x rule."""
-    repo = Path(__file__).resolve().parents[2]
-    rm = hf_tiny.make_checkpoint(tmp_path / "rm", "qwen2", classifier=True, tokenizer=False, vocab_size=128)
-    run = tmp_path / "run"
-    torchrun(repo / "scripts" / "train.py", 2, "--config", str(repo / "configs" / "grpo_tiny.yaml"),
-             "trainer.progress_bar=false", "trainer.tensorboard=false", "data.val_batch_size=4",
-             "data.train_size=64", "data.val_size=8", f"data.train_files=[{tmp_path}/data/train.parquet]",
-             f"data.val_files=[{tmp_path}/data/val.parquet]", f"trainer.run_dir={run}", "trainer.total_steps=2",
-             "trainer.val_freq=0", f"reward.model.hf_path={rm}", "reward.model.weight=2",
-             "reward.model.rule_weight=0.5", "reward.model.micro_batch_size=3", "debug.inject_rollout_failures=0.3",
-             "debug.check_invariants=true", timeout=400)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    assert sum(r["dispatch/padding"] for r in records) > 0, "dropped groups must be replaced by padding samples"
-    for r in records:
-        want = 2 * r["reward/model/mean"] + 0.5 * r["reward/rule/mean"]
-        assert r["reward/score/mean"] == pytest.approx(want, rel=1e-6, abs=1e-6), r
-        assert r["reward/model/std"] > 0 and r["reward/model/truncated"] == 0.0
-        assert r["samples/real"] == r["replay/num_trajectories"] and "timing_s/reward_model" in r
+
+def test_one_rank_reward_model_engine_scores_as_the_model(tmp_path):
+    """The FSDP reward-model engine on a single rank (a sharded folder read whole): the model's scores, a padding
+    sample 0, each score at the last policy token of its ``rm_scores`` row."""
+    import socket
+
+    import torch.distributed as dist
+    from tensordict import TensorDict
+
+    from backends.base import Share
+    from backends.config import EngineConfig
+    from backends.fsdp.reward_model import FSDPRewardModelEngine
+    from protocol.batch.nested import to_nested
+
+    folder = hf_tiny.make_checkpoint(tmp_path / "rm", "llama", classifier=True, tokenizer=False,
+                                     max_shard_size="40KB")
+    ref = load_reward_model(str(folder))
+    rows = [r if len(r) > 1 else torch.cat([r, r]) for r in _batch(ref.cfg.vocab_size)]  # a prompt token each
+    masks = [torch.ones(max(1, len(r) - 2), dtype=torch.long) for r in rows]
+    data = TensorDict({"input_ids": to_nested(rows), "response_mask": to_nested(masks),
+                       "is_padding": torch.tensor([False, False, True, False, False])}, batch_size=[len(rows)])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        eng = FSDPRewardModelEngine(EngineConfig(model=read_reward_config(str(folder))), micro_batch_size=2)
+        out = eng.infer_batch(Share(data, [[0, 1, 2], [3, 4]]))
+    finally:
+        dist.destroy_process_group()
+    with torch.no_grad():
+        want = torch.where(data["is_padding"], 0.0, ref(*_packed(rows)))
+    torch.testing.assert_close(out["scores"], want, rtol=1e-5, atol=1e-5)
+    for row, score in zip(out["rm_scores"].unbind(), out["scores"]):
+        assert float(row[-1]) == float(score) and int((row[:-1] != 0).sum()) == 0

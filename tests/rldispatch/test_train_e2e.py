@@ -44,13 +44,26 @@ def _check_step_records(records: list[dict], steps: int) -> None:
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
+def test_fsdp_run_with_failures_padding_and_a_reward_model(torchrun, tmp_path):
+    """grpo_tiny on 2 ranks with injected failures (dropped groups -> padding samples), invariants and traces on, and
+    a reward model beside the rule (weights 2 and 0.5; its forwards cut to 3 sequences): every step reports the
+    model's and the rule's scores over the real samples and trains on 2 x model + 0.5 x rule."""
+    sys.path.insert(0, str(REPO / "tests" / "dist"))
+    import hf_tiny
+
+    rm = hf_tiny.make_checkpoint(tmp_path / "rm", "qwen2", classifier=True, tokenizer=False, vocab_size=128)
     run_dir = tmp_path / "run"
     out = torchrun(TRAIN, 2, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
                    "trainer.total_steps=3", "debug.inject_rollout_failures=0.3", "trace.enabled=true",
-                   "debug.check_invariants=true", "rollout.log_prob_mode=bypass", timeout=400)
+                   "debug.check_invariants=true", "rollout.log_prob_mode=bypass", f"reward.model.hf_path={rm}",
+                   "reward.model.weight=2", "reward.model.rule_weight=0.5", "reward.model.micro_batch_size=3",
+                   timeout=400)
     records = _metrics(run_dir)
     _check_step_records(records, 3)
+    for r in records:
+        want = 2 * r["reward/model/mean"] + 0.5 * r["reward/rule/mean"]
+        assert r["reward/score/mean"] == pytest.approx(want, rel=1e-6, abs=1e-6), r
+        assert r["reward/model/std"] > 0 and r["reward/model/truncated"] == 0.0 and "timing_s/reward_model" in r
     # the run ends with one summary from rank 0: steps, val first -> best -> last, where the outputs are
     first, last = records[0]["val/score/mean"], records[-1]["val/score/mean"]
     assert out.count("run finished: 3 step(s) this run, step 3 of 3") == 1, out[-3000:]
@@ -69,7 +82,7 @@ def test_fsdp_run_with_failures_and_padding(torchrun, tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_3"
     traces = list(run_dir.glob("trace.rank*.jsonl"))
     stages = {json.loads(line)["stage"] for p in traces for line in p.read_text().splitlines()}
-    assert {"rollout", "reward", "old_log_prob", "advantage"} <= stages, stages
+    assert {"rollout", "reward", "old_log_prob", "reward_model", "advantage"} <= stages, stages
 
 
 @pytest.mark.dist
