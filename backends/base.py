@@ -89,12 +89,22 @@ class Engine(abc.ABC):
 
     @property
     def has_adapters(self) -> bool:
-        """Whether the model carries LoRA adapters (its base weights frozen)."""
-        return False
+        """Whether the model carries LoRA adapters (its base weights frozen): ``config.lora`` is on."""
+        lora = getattr(getattr(self, "config", None), "lora", None)
+        return bool(lora is not None and lora.enabled)
+
+    def _adapted_modules(self) -> list[torch.nn.Module]:
+        """The modules holding this engine's adapted layers (an engine with LoRA support names them)."""
+        raise NotImplementedError(f"the {self.name} engine has no LoRA adapters to disable")
 
     def adapters_disabled(self) -> contextlib.AbstractContextManager:
-        """A context in which forward passes use the base weights alone (the reference policy of a LoRA actor)."""
-        raise NotImplementedError(f"the {self.name} engine has no LoRA adapters to disable")
+        """A context in which forward passes use the frozen base weights alone (bit-identical to the base model):
+        the reference policy of a LoRA actor."""
+        from backends.model.lora import adapters_disabled
+
+        if not self.has_adapters:
+            raise RuntimeError("adapters_disabled() needs actor.lora.rank > 0: this actor has no adapters")
+        return adapters_disabled(*self._adapted_modules())
 
     @abc.abstractmethod
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -22,7 +22,7 @@ from backends.comm import allreduce_counts
 from protocol.algos.logprob import logprobs_of_targets, response_logit_positions
 from backends.model.hf import check_hf_config
 from backends.model.llama import LlamaModel
-from backends.model.lora import adapters_disabled, apply_lora, init_adapters, merge_adapters
+from backends.model.lora import apply_lora, init_adapters, merge_adapters
 from backends.optim import StepSnapshot, all_finite, build_lr_scheduler, build_optimizer, clip_grad_norm, lr_factor
 from protocol.algos.losses import entropy_bonus, global_counts, kl_loss, policy_loss
 from protocol.batch.nested import to_nested
@@ -322,15 +322,8 @@ class FSDPEngine(Engine):
         return TensorDict(out, batch_size=[view.n])
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------
-    @property
-    def has_adapters(self) -> bool:
-        return self.config.lora.enabled
-
-    def adapters_disabled(self):
-        """Forward passes inside the block use the frozen base weights alone (bit-identical to the base model)."""
-        if not self.has_adapters:
-            raise RuntimeError("adapters_disabled() needs actor.lora.rank > 0: this actor has no adapters")
-        return adapters_disabled(self.model)
+    def _adapted_modules(self) -> list[torch.nn.Module]:
+        return [self.model]
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full weights in the base layout; a LoRA actor's are merged, ``W + (alpha / rank) B A``."""

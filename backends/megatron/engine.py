@@ -24,7 +24,7 @@ from backends.megatron.cpu_shim import apply_cpu_shim
 from backends.megatron.logprob import vocab_parallel_logprobs_entropy
 from backends.megatron.lora import apply_megatron_lora
 from backends.megatron.model import TE_RENAMES, build_model_chunks, te_available, transformer_config
-from backends.model.lora import LoraSpec, adapters_disabled, merge_adapters, seeded_adapters
+from backends.model.lora import LoraSpec, merge_adapters, seeded_adapters
 from backends.optim import StepSnapshot, all_finite, lr_factor
 from dispatch.topology import Topology
 from protocol.algos.losses import entropy_bonus, kl_loss, policy_loss
@@ -352,15 +352,8 @@ class MegatronEngine(Engine):
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
-    @property
-    def has_adapters(self) -> bool:
-        return self.config.lora.enabled
-
-    def adapters_disabled(self):
-        """Forward passes inside the block use the frozen base weights alone (bit-identical to the base model)."""
-        if not self.has_adapters:
-            raise RuntimeError("adapters_disabled() needs actor.lora.rank > 0: this actor has no adapters")
-        return adapters_disabled(*self.chunks)
+    def _adapted_modules(self) -> list[torch.nn.Module]:
+        return list(self.chunks)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full weights in the project layout on every rank; a LoRA actor's are merged, ``W + (alpha / rank) B A``."""

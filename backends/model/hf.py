@@ -20,7 +20,7 @@ from backends.model.config import MODEL_TYPES, ModelConfig
 from backends.model.llama import LlamaModel, parameter_shapes
 
 __all__ = ["HFCheckpointError", "config_from_hf", "hf_config_dict", "read_hf_config", "convert_hf_state_dict",
-           "to_hf_state_dict", "read_weight_files", "load_hf_checkpoint", "initial_model", "check_hf_config",
+           "to_hf_state_dict", "check_weights", "read_weight_files", "load_hf_checkpoint", "initial_model", "check_hf_config",
            "HF_ARCHITECTURES"]
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -205,15 +205,20 @@ def convert_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> d
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         out[key] = t
-    want = parameter_shapes(cfg)
-    missing, extra = sorted(set(want) - set(out)), sorted(set(out) - set(want))
-    if missing or extra:
-        raise HFCheckpointError(f"checkpoint weights do not match the {cfg.model_type} config: missing {missing[:5]}, "
-                                f"unexpected {extra[:5]}")
-    for n, shape in want.items():
-        if tuple(out[n].shape) != tuple(shape):
-            raise HFCheckpointError(f"weight {n} has shape {tuple(out[n].shape)}, the config implies {tuple(shape)}")
+    check_weights(out, parameter_shapes(cfg), f"the {cfg.model_type} config")
     return out
+
+
+def check_weights(weights: Mapping[str, torch.Tensor], want: Mapping[str, tuple[int, ...]], what: str,
+                  error: type[Exception] = HFCheckpointError) -> None:
+    """Refuse ``weights`` whose names are not exactly ``want``'s or whose shapes differ, naming them and ``what``
+    they were checked against."""
+    missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
+    if missing or extra:
+        raise error(f"checkpoint weights do not match {what}: missing {missing[:5]}, unexpected {extra[:5]}")
+    for n, shape in want.items():
+        if tuple(weights[n].shape) != tuple(shape):
+            raise error(f"weight {n} has shape {tuple(weights[n].shape)}, {what} implies {tuple(shape)}")
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

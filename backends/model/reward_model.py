@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from backends.model.attention import check_cu_seqlens
 from backends.model.config import ModelConfig
-from backends.model.hf import HFCheckpointError, read_hf_config, read_weight_files
+from backends.model.hf import HFCheckpointError, check_weights, read_hf_config, read_weight_files
 from backends.model.llama import AttentionFn, LlamaModel, parameter_shapes
 
 __all__ = ["RewardModel", "RewardModelError", "SCORE_HEAD", "read_reward_config", "reward_state_dict",
@@ -103,13 +103,7 @@ def reward_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[
         out[name[len("model."):] if name.startswith("model.") else name] = t
     want = {n: s for n, s in parameter_shapes(cfg).items() if n != "lm_head.weight"}
     want[SCORE_HEAD] = (1, cfg.hidden_size)
-    missing, extra = sorted(set(want) - set(out)), sorted(set(out) - set(want))
-    if missing or extra:
-        raise RewardModelError(f"{_KEY}: weights do not match a one-label {cfg.model_type} sequence classifier: "
-                               f"missing {missing[:5]}, unexpected {extra[:5]}")
-    for n, shape in want.items():
-        if tuple(out[n].shape) != tuple(shape):
-            raise RewardModelError(f"{_KEY}: weight {n} has shape {tuple(out[n].shape)}, expected {tuple(shape)}")
+    check_weights(out, want, f"{_KEY}'s one-label {cfg.model_type} sequence classifier", RewardModelError)
     return out
 
 

@@ -53,6 +53,27 @@ def reference_logprobs(model: LlamaModel, data: TensorDict, temperature: float =
     return list(torch.split(lp, rl.tolist())), (list(torch.split(ent, rl.tolist())) if with_entropy else None)
 
 
+def positions(topo, n: int) -> list[int]:
+    """The samples of ``n`` this rank's DP replica holds (round robin over the replicas)."""
+    import torch.distributed as dist
+
+    return list(range(topo.dp_rank(dist.get_rank()), n, topo.dp_size))
+
+
+def gather_outputs(out, pos: list[int], n: int) -> list[torch.Tensor]:
+    """Every sample's log-probs on every rank (reporting ranks contribute their replica's samples)."""
+    import torch.distributed as dist
+
+    mine = {p: v for p, v in zip(pos, out["log_probs"].unbind())} if out is not None else {}
+    parts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(parts, mine)
+    merged: dict = {}
+    for part in parts:
+        merged.update(part)
+    assert sorted(merged) == list(range(n)), sorted(merged)
+    return [merged[i] for i in range(n)]
+
+
 def engine_config(par: MegatronConfig, model: ModelConfig = MODEL, optim: OptimConfig | None = None,
                   **kw) -> EngineConfig:
     optim = optim or OptimConfig(name="adamw", lr=0.01, eps=1e-3, clip_grad=1e6)

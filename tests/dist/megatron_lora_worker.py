@@ -21,8 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_common import (  # noqa: E402
-    MODEL, LlamaModel, MegatronConfig, OptimConfig, engine_config, make_samples, reference_logprobs, share_of,
-    topology,
+    MODEL, LlamaModel, MegatronConfig, OptimConfig, engine_config, gather_outputs, make_samples, positions,
+    reference_logprobs, share_of, topology,
 )
 
 from backends.config import EngineConfig, FSDPConfig, LoraConfig  # noqa: E402
@@ -44,21 +44,6 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def positions(topo, n: int = N) -> list[int]:
-    return list(range(topo.dp_rank(dist.get_rank()), n, topo.dp_size))
-
-
-def gathered(out, pos: list[int]) -> list[torch.Tensor]:
-    """Every sample's log-probs on every rank (reporting ranks contribute their replica's samples)."""
-    mine = {p: v for p, v in zip(pos, out["log_probs"].unbind())} if out is not None else {}
-    parts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(parts, mine)
-    merged: dict = {}
-    for part in parts:
-        merged.update(part)
-    return [merged[i] for i in range(N)]
-
-
 def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
@@ -70,26 +55,26 @@ def fsdp_run(lora: LoraConfig, optim: OptimConfig, batches) -> dict:
 
     topo = Topology.from_config({"backend": "fsdp", "ulysses_sp": 1, "fsdp_size": -1}, dist.get_world_size())
     eng = FSDPEngine(EngineConfig(model=MODEL, fsdp=FSDPConfig(), optim=optim, seed=3, lora=lora), topo)
-    pos = positions(topo)
-    step0 = gathered(eng.infer_batch(share_of(batches[0], pos, 1)), pos)
+    pos = positions(topo, N)
+    step0 = gather_outputs(eng.infer_batch(share_of(batches[0], pos, 1)), pos, N)
     metrics = [eng.train_batch(share_of(b, pos, 1)) for b in batches]
     return {"step0": step0, "metrics": metrics, "adapters": eng.adapter_weights(), "merged": eng.get_weights()}
 
 
 def megatron_case(par: MegatronConfig, lora: LoraConfig, batches, fsdp: dict) -> None:
     topo = topology(par, dist.get_world_size())
-    pos = positions(topo)
+    pos = positions(topo, N)
     k = 2
     plain = MegatronEngine(engine_config(par, optim=SGD), topo)
     try:
-        base_lp = gathered(plain.infer_batch(share_of(batches[0], pos, k)), pos)
+        base_lp = gather_outputs(plain.infer_batch(share_of(batches[0], pos, k)), pos, N)
     finally:
         plain.close()
     eng = MegatronEngine(engine_config(par, optim=SGD, lora=lora), topo)
     try:
         where = f"tp={par.tp} pp={par.pp} vpp={par.vpp} dp={topo.dp_size} targets={lora.spec().targets}"
         # step 0: B = 0 adds exact zeros, so the adapted model is the plain one bit for bit (and FSDP's to fp32)
-        step0 = gathered(eng.infer_batch(share_of(batches[0], pos, k)), pos)
+        step0 = gather_outputs(eng.infer_batch(share_of(batches[0], pos, k)), pos, N)
         assert all(torch.equal(a, b) for a, b in zip(step0, base_lp)), f"{where}: step 0 is not the base model"
         d0 = max(float((a - b).abs().max()) for a, b in zip(step0, fsdp["step0"]))
         assert d0 < LOGPROB_TOL, (where, d0)
@@ -122,11 +107,11 @@ def megatron_case(par: MegatronConfig, lora: LoraConfig, batches, fsdp: dict) ->
         assert dm < PARAM_TOL, (where, dm)
         # the reference: the actor with adapters off is the plain (base) engine
         with eng.adapters_disabled():
-            ref = gathered(eng.infer_batch(share_of(batches[0], pos, k)), pos)
+            ref = gather_outputs(eng.infer_batch(share_of(batches[0], pos, k)), pos, N)
         dr = max(float((a - b).abs().max()) for a, b in zip(ref, base_lp))
         assert dr <= 1e-6, (where, dr)
         # the rollout's model, loaded with the merged weights, scores as the actor does
-        actor = gathered(eng.infer_batch(share_of(batches[0], pos, k)), pos)
+        actor = gather_outputs(eng.infer_batch(share_of(batches[0], pos, k)), pos, N)
         assert any(not torch.equal(a, b) for a, b in zip(actor, base_lp)), f"{where}: the adapters changed nothing"
         sampler = LlamaModel(MODEL)
         sampler.load_state_dict(merged)
@@ -146,7 +131,7 @@ def dropout_case(par: MegatronConfig, batches) -> None:
     from megatron.core import parallel_state as ps
 
     topo = topology(par, dist.get_world_size())
-    pos = positions(topo)
+    pos = positions(topo, N)
     lora = dataclasses.replace(LORA, dropout=0.5)
     eng = MegatronEngine(engine_config(par, optim=SGD, lora=lora), topo)
     try:
@@ -169,7 +154,7 @@ def checkpoint_case(par: MegatronConfig, lora: LoraConfig, batches, path: str) -
     the run config the export reads, and the merged weights at the save for the test to compare."""
     adam = OptimConfig(name="adamw", lr=1e-2, eps=1e-3, clip_grad=1e6, warmup_steps=2)
     topo = topology(par, dist.get_world_size())
-    pos = positions(topo)
+    pos = positions(topo, N)
     run_cfg = {"model": dataclasses.asdict(MODEL), "data": {"tokenizer": "char"},
                "actor": {"backend": "megatron", "lora": dataclasses.asdict(lora),
                          "megatron": dataclasses.asdict(par)}}

@@ -20,8 +20,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_common import (  # noqa: E402
-    MODEL, LlamaModel, MegatronConfig, OptimConfig, engine_config, make_samples, reference_logprobs,
-    reference_step, share_of, topology,
+    MODEL, LlamaModel, MegatronConfig, OptimConfig, engine_config, gather_outputs, make_samples, positions,
+    reference_logprobs, reference_step, share_of, topology,
 )
 
 from backends.config import EngineConfig, FSDPConfig, PolicyLossConfig  # noqa: E402
@@ -44,23 +44,6 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-def positions(topo, n: int = N) -> list[int]:
-    dp, size = topo.dp_rank(dist.get_rank()), topo.dp_size
-    return list(range(dp, n, size))
-
-
-def gather_outputs(out, topo, pos: list[int], n: int = N) -> list | None:
-    """Every sample's log-probs on every rank (reporting ranks contribute their replica's samples)."""
-    mine = {p: v for p, v in zip(pos, out["log_probs"].unbind())} if out is not None else {}
-    parts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(parts, mine)
-    merged: dict = {}
-    for part in parts:
-        merged.update(part)
-    assert sorted(merged) == list(range(n)), sorted(merged)
-    return [merged[i] for i in range(n)]
-
-
 def check_rank_map(topo) -> None:
     mine = parallel_coords()
     coords: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
@@ -78,7 +61,7 @@ def infer_case(par: MegatronConfig, data, ref_lp, ref_ent, fsdp_lp) -> None:
     eng = MegatronEngine(engine_config(par), topo)
     try:
         check_rank_map(topo)
-        pos = positions(topo)
+        pos = positions(topo, N)
         k = 2 if par.vpp > 1 else 3
         out = eng.infer_batch(share_of(data, pos, k), with_entropy=True)
         assert (out is not None) == topo.is_reporting(dist.get_rank()) == eng.is_reporting_rank
@@ -86,7 +69,7 @@ def infer_case(par: MegatronConfig, data, ref_lp, ref_ent, fsdp_lp) -> None:
             for p, lp, ent in zip(pos, out["log_probs"].unbind(), out["entropy"].unbind()):
                 assert torch.allclose(lp, ref_lp[p], atol=LOGPROB_TOL, rtol=0), (p, lp, ref_lp[p])
                 assert torch.allclose(ent, ref_ent[p], atol=LOGPROB_TOL, rtol=0)
-        full = gather_outputs(out, topo, pos)
+        full = gather_outputs(out, pos, N)
         d = max(float((a - b).abs().max()) for a, b in zip(full, fsdp_lp))
         assert d < LOGPROB_TOL, d
         eng.config.max_token_len_per_gpu = 5  # every sample here is longer: the budget check names it
@@ -123,7 +106,7 @@ def fsdp_train(optim: OptimConfig, data, steps: int = 2, loss: PolicyLossConfig 
     topo = Topology.from_config({"backend": "fsdp", "ulysses_sp": 1, "fsdp_size": -1}, dist.get_world_size())
     eng = FSDPEngine(EngineConfig(model=MODEL, fsdp=FSDPConfig(), optim=optim, seed=3,
                                   loss=loss or PolicyLossConfig()), topo)
-    pos = positions(topo)
+    pos = positions(topo, N)
     losses = [eng.train_batch(share_of(data, pos, 1))["loss"] for _ in range(steps)]
     return losses, eng.get_weights()
 
@@ -134,7 +117,7 @@ def train_case(par: MegatronConfig, optim: OptimConfig, data, tol: float, fsdp: 
     topo = topology(par, world)
     eng = MegatronEngine(engine_config(par, optim=optim, loss=loss or PolicyLossConfig()), topo)
     try:
-        pos = positions(topo)
+        pos = positions(topo, N)
         k = 2
         metrics = [eng.train_batch(share_of(data, pos, k)) for _ in range(steps)]
         weights = eng.get_weights()
@@ -175,7 +158,7 @@ def tied_case(data) -> None:
     try:
         ref = LlamaModel.from_seed(model, 3)
         ref_lp, _ = reference_logprobs(ref, data, with_entropy=False)
-        pos = positions(topo)
+        pos = positions(topo, N)
         out = eng.infer_batch(share_of(data, pos, 2))
         if out is not None:
             for p, lp in zip(pos, out["log_probs"].unbind()):
@@ -203,7 +186,7 @@ def tied_case(data) -> None:
 def checkpoint_case(par: MegatronConfig, optim: OptimConfig, data, path: str) -> None:
     world = dist.get_world_size()
     topo = topology(par, world)
-    pos = positions(topo)
+    pos = positions(topo, N)
     eng = MegatronEngine(engine_config(par, optim=optim), topo)
     try:
         for _ in range(2):  # after two steps: Adam's step counts must come back as 2, not as the first step's 1
@@ -236,9 +219,9 @@ def fsdp_reference(data) -> list:
     topo = Topology.from_config({"backend": "fsdp", "ulysses_sp": 1, "fsdp_size": -1}, world)
     cfg = EngineConfig(model=MODEL, fsdp=FSDPConfig(), optim=OptimConfig(name="sgd", lr=0.1), seed=3)
     eng = FSDPEngine(cfg, topo)
-    pos = positions(topo)
+    pos = positions(topo, N)
     out = eng.infer_batch(share_of(data, pos, 1))
-    return gather_outputs(out, topo, pos)
+    return gather_outputs(out, pos, N)
 
 
 def main() -> None:
