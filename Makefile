@@ -36,9 +36,10 @@ endif
 	touch $@
 
 # HYPOTHESIS_PROFILE=ci: derandomized property tests with fixed example budgets and no example database, so every
-# run checks the same examples (profiles in tests/conftest.py).
+# run checks the same examples (profiles in tests/conftest.py). --durations: the slowest tests, to keep the suite's
+# time in view.
 test: setup
-	HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25 tests
 
 # The property tests only, with fresh random seeds and EXPLORE_FACTOR times each test's example budget.
 EXPLORE_FACTOR ?= 10
