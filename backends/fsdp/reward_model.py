@@ -17,8 +17,7 @@ from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.engine import FSDPEngine
 from backends.fsdp.share import read_share
 from backends.fsdp.ulysses import gather_seq, pad_to_multiple
-from backends.model.reward_model import (RewardModel, RewardModelError, last_token_positions, read_reward_config,
-                                         reward_state_dict)
+from backends.model.reward_model import RewardModel, RewardModelError, last_token_positions, reward_state_dict
 from protocol.algos.reward import compute_rm_scores
 from protocol.batch.nested import to_nested
 
@@ -26,8 +25,8 @@ __all__ = ["FSDPRewardModelEngine"]
 
 
 class FSDPRewardModelEngine(FSDPEngine):
-    """``config.model.hf_path``: the reward model folder; its architecture comes from that folder. Frozen, eval
-    mode, inference only (no optimizer).
+    """``config.model``: the reward model folder's config (:func:`backends.model.reward_model.read_reward_config`).
+    Frozen, eval mode, inference only (no optimizer).
 
     ``max_length`` (default: the model's ``max_position_embeddings``): a longer sequence is an error
     (``truncation="error"``) or keeps its last ``max_length`` tokens (``"left"``; counted in ``rm_truncated``).
@@ -43,8 +42,8 @@ class FSDPRewardModelEngine(FSDPEngine):
         self.max_length = int(max_length or self.model.cfg.max_position_embeddings)
 
     def _build_model(self, mp: MixedPrecisionPolicy) -> RewardModel:
-        path = self.config.model.hf_path
-        cfg = read_reward_config(path)
+        cfg = self.config.model  # the folder's own config (read_reward_config), as the caller built it
+        path = cfg.hf_path
         with torch.device("meta"):
             model = RewardModel(cfg)
         for layer in model.layers:

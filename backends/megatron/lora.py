@@ -151,7 +151,6 @@ def apply_megatron_lora(gpt: nn.Module, model: ModelConfig, spec: LoraSpec, tp: 
                 "gate_proj": model.intermediate_size // tp, "up_proj": model.intermediate_size // tp}
     in_cols = {"o_proj": model.num_heads * hd // tp, "down_proj": model.intermediate_size // tp}
     groups = {"self_attention.linear_qkv": model.num_kv_heads // tp, "mlp.linear_fc1": 1}
-    fused = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"), "mlp.linear_fc1": ("gate_proj", "up_proj")}
     r, adapted = spec.rank, []
     for i, layer in enumerate(gpt.decoder.layers):
         for linear, projs in adapted_linears(spec).items():
@@ -162,7 +161,8 @@ def apply_megatron_lora(gpt: nn.Module, model: ModelConfig, spec: LoraSpec, tp: 
                 mod._setup(spec, projs, lambda p: (r, model.hidden_size),
                            lambda p: (n_groups * out_rows[p], r), "lora_B", 0)
                 mod.lora_groups = n_groups
-                mod.lora_rows = {p: out_rows[p] for p in fused[linear]}
+                # every projection the fused linear holds, adapted or not, in its output order
+                mod.lora_rows = {p: out_rows[p] for p, split in ADAPTER_SPLIT.items() if split[1] == linear}
             elif type(mod) is RowParallelLinear:
                 mod.__class__ = row_cls
                 mod._setup(spec, projs, lambda p: (r, in_cols[p]), lambda p: (model.hidden_size, r), "lora_A", 1)

@@ -60,11 +60,11 @@ def positions(topo, n: int) -> list[int]:
     return list(range(topo.dp_rank(dist.get_rank()), n, topo.dp_size))
 
 
-def gather_outputs(out, pos: list[int], n: int) -> list[torch.Tensor]:
-    """Every sample's log-probs on every rank (reporting ranks contribute their replica's samples)."""
+def gather_outputs(out, pos: list[int], n: int, key: str = "log_probs") -> list[torch.Tensor]:
+    """Every sample's ``key`` output on every rank (reporting ranks contribute their replica's samples)."""
     import torch.distributed as dist
 
-    mine = {p: v for p, v in zip(pos, out["log_probs"].unbind())} if out is not None else {}
+    mine = {p: v for p, v in zip(pos, out[key].unbind())} if out is not None else {}
     parts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(parts, mine)
     merged: dict = {}

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_common import MODEL, MegatronConfig, OptimConfig, make_samples, share_of, topology  # noqa: E402
+from megatron_common import (  # noqa: E402
+    MODEL, MegatronConfig, OptimConfig, gather_outputs, make_samples, share_of, topology,
+)
 
 from backends.config import EngineConfig, FSDPConfig, ValueLossConfig  # noqa: E402
 from backends.megatron.critic import MegatronCriticEngine  # noqa: E402
@@ -64,14 +66,7 @@ def critic_data():
 
 
 def gather_values(out, pos: list[int]) -> list[torch.Tensor]:
-    mine = {p: v for p, v in zip(pos, out["values"].unbind())} if out is not None else {}
-    parts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(parts, mine)
-    merged: dict = {}
-    for part in parts:
-        merged.update(part)
-    assert sorted(merged) == list(range(N)), sorted(merged)
-    return [merged[i] for i in range(N)]
+    return gather_outputs(out, pos, N, key="values")
 
 
 def max_diff(a: list | dict, b: list | dict) -> float:
