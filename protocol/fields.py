@@ -24,7 +24,8 @@ __all__ = [
 ]
 
 LengthKind = Literal["prompt", "response", "seq", "sample"]
-Stage = Literal["rollout", "dispatch", "reward", "old_log_prob", "ref", "reward_model", "advantage", "critic"]
+Stage = Literal["rollout", "dispatch", "reward", "judge", "old_log_prob", "ref", "reward_model", "advantage",
+                "critic"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("reward_score", _F, "sample", "rollout"),
     Field("is_padding", torch.bool, "sample", "dispatch"),
     Field("rm_scores", _F, "response", "reward", masked_zero=True),
+    Field("rm_judge_scores", _F, "response", "judge", masked_zero=True),
     Field("rm_model_scores", _F, "response", "reward_model", masked_zero=True),
     Field("old_log_probs", _F, "response", "old_log_prob"),
     Field("entropy", _F, "response", "old_log_prob"),

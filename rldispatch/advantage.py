@@ -20,6 +20,7 @@ from rldispatch.config import RunConfig
 from rldispatch.critic import CriticRole
 from rldispatch.dataplane import ShardedStore
 from rldispatch.metrics import StepStats
+from rldispatch.judge import JUDGE_FIELD
 from rldispatch.reward_model import RM_FIELD, combined_scores
 from rldispatch.rollout import TRAIN
 
@@ -71,10 +72,9 @@ def advantages_on_owners(cfg: RunConfig, store: ShardedStore, owners: list[list[
     in_reward = cfg.algorithm.use_kl_in_reward  # config validation guarantees a reference
     # the rollout's log-probs meet the trainer's: to correct by them, or (recompute mode) to report their gap
     compare = cfg.algorithm.rollout_correction.enabled or cfg.rollout.log_prob_mode == "recompute"
-    with_rm = cfg.reward.model.enabled
+    learned = [f for f, on in ((RM_FIELD, cfg.reward.model.enabled), (JUDGE_FIELD, cfg.reward.judge.enable)) if on]
     need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else []) \
-        + (["old_log_probs"] if compare and not in_reward else []) + (["values"] if with_values else []) \
-        + ([RM_FIELD] if with_rm else [])
+        + (["old_log_probs"] if compare and not in_reward else []) + (["values"] if with_values else []) + learned
     td = store.fetch_planned(owners, TRAIN, need)
     moments = [0.0, 0.0, 0.0]
     if own:
@@ -86,8 +86,8 @@ def advantages_on_owners(cfg: RunConfig, store: ShardedStore, owners: list[list[
                                                   jagged_to_padded(td["old_log_probs"]).float(), mask, lengths,
                                                   stats)
         scores = jagged_to_padded(td["rm_scores"]).float()
-        if with_rm:  # the reward model's scores with the rule-based ones: what the step trains on
-            scores = combined_scores(scores, jagged_to_padded(td[RM_FIELD]).float(), cfg)
+        if learned:  # the models' scores with the rule-based ones: what the step trains on
+            scores = combined_scores(cfg.reward, scores, {f: jagged_to_padded(td[f]).float() for f in learned})
             stats.masked("reward/score", scores.sum(-1).double(), pad)
         if in_reward:
             old = jagged_to_padded(td["old_log_probs"]).float()

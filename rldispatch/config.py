@@ -549,6 +549,42 @@ def _check_reward(cfg: RunConfig) -> None:
         raise ConfigError(str(exc)) from exc
     if r.model.enabled:
         _check_reward_model(cfg)
+    if r.judge.enable:
+        _check_judge(cfg)
+
+
+def _check_judge(cfg: RunConfig) -> None:
+    """``reward.judge``: a causal-LM folder whose tokenizer (its own, else the policy's) fits its vocabulary and,
+    with ``chat_template``, renders a user message; all before any collective."""
+    import json
+    import os
+
+    from backends.model.hf import HFCheckpointError, read_hf_config
+    from protocol.algos.judge import JudgeError, judge_folder, judge_tokenizer_source
+    from protocol.rollout.tokenizer import TokenizerError, VocabularyError, check_vocab_fits, load_tokenizer
+
+    key = "reward.judge.hf_path" if cfg.reward.judge.hf_path else "model.hf_path (the judge, reward.judge.hf_path unset)"
+    try:
+        path = judge_folder(cfg.reward.judge, cfg.model.hf_path)
+        if not os.path.isdir(path):
+            raise ConfigError(f"{key}={path!r} is not a folder")
+        found = read_hf_config(path)
+        with open(os.path.join(path, "config.json")) as fh:
+            archs = json.load(fh).get("architectures") or []
+        if archs and not any(a.endswith("ForCausalLM") for a in archs):
+            raise ConfigError(f"{key}={path!r} holds a {archs[0]}; the judge generates text, so it needs a "
+                              f"*ForCausalLM checkpoint (a sequence classifier goes to reward.model.hf_path)")
+        source = judge_tokenizer_source(path, cfg.data.tokenizer, cfg.model.hf_path)
+        tok = load_tokenizer(source)
+        check_vocab_fits(tok, found.vocab_size, where=f"the judge's vocabulary ({key})")
+        if cfg.reward.judge.chat_template:
+            try:
+                tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True)
+            except Exception as exc:
+                raise ConfigError(f"the judge's tokenizer ({source}) cannot apply a chat "
+                                  f"template ({exc}); set reward.judge.chat_template=false") from exc
+    except (JudgeError, HFCheckpointError, TokenizerError, VocabularyError) as exc:
+        raise ConfigError(f"{exc}" if key.split(" ")[0] in str(exc) else f"{key}: {exc}") from exc
 
 
 def _check_reward_model(cfg: RunConfig) -> None:

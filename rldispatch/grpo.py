@@ -57,6 +57,7 @@ from rldispatch.rollout import TRAIN, VAL, LocalRollout
 from rldispatch.run_dir import claim_run_dir
 from rldispatch.schedules import Seams, schedule_class
 from rldispatch.step_state import StepState
+from rldispatch.judge import JUDGE_FIELD, JudgeRole
 from rldispatch.reward_model import RM_FIELD, RewardModelRole
 from rldispatch.trace import TraceRecorder
 
@@ -110,13 +111,15 @@ class GRPOTrainer:
         self.stream = PromptStream(self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
         # only the stop token that ended the response is dropped; other special tokens stay in the decoded text:
         # a scorer that never saw them would let the policy pad its answer with <|pad|> and still score full marks
-        build = functools.partial(
-            build_reward_manager, cfg.reward, cfg.custom_reward_function,
-            decode=functools.partial(decode_response, self.tokenizer, stop_ids=engine.stop_token_ids),
-            max_response_len=cfg.data.max_response_length)
+        decode = functools.partial(decode_response, self.tokenizer, stop_ids=engine.stop_token_ids)
+        build = functools.partial(build_reward_manager, cfg.reward, cfg.custom_reward_function, decode=decode,
+                                  max_response_len=cfg.data.max_response_length)
         self.reward_manager = build()
         # validation scores gsm8k strictly whatever the training reward's shaping
         self.val_reward_manager = build(train=False) if cfg.reward.gsm8k_train.shaped else self.reward_manager
+        # the judge answers on the ranks that hold trajectories (validation stays rule-based)
+        self.judge = JudgeRole(cfg, decode, device=ctx.device, rank=self.dp_rank) \
+            if cfg.reward.judge.enable and ctx.rank in holders else None
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = FixedKLController(kc.kl_coef) if kc.type == "fixed" else \
             AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon)
@@ -161,6 +164,15 @@ class GRPOTrainer:
         the last policy token. ``pad``: the keys' ``is_padding`` flags when the caller has them (else read)."""
         if not keys:
             return RewardResult(torch.zeros(0))
+        td, items = self._reward_inputs(keys, partition, rows_by_uid, pad)
+        result = (self.val_reward_manager if partition == VAL else self.reward_manager)(items)
+        rm = compute_rm_scores(result.scores, td["response_mask"])
+        self.store.kv_batch_put(keys, partition, batch_of({"rm_scores": rm}, len(keys)))
+        return result
+
+    def _reward_inputs(self, keys: list[str], partition: str, rows_by_uid: dict[str, dict],
+                       pad: torch.Tensor | None) -> tuple[TensorDict, list[RewardInput]]:
+        """This rank's ``responses`` / ``response_mask`` of ``keys`` and a :class:`RewardInput` per key."""
         td = self.store.read_local(keys, partition, ["responses", "response_mask"])
         padding = pad.tolist() if pad is not None else \
             [bool(t.get("is_padding")) for t in self.store.tags_of(keys, partition)]
@@ -171,10 +183,7 @@ class GRPOTrainer:
             items.append(RewardInput(response_ids=response, data_source=row.get("data_source", ""),
                                      ground_truth=ground_truth_of(row), extra_info=row.get("extra_info"),
                                      response_mask=mask, is_padding=is_pad, key=key))
-        result = (self.val_reward_manager if partition == VAL else self.reward_manager)(items)
-        rm = compute_rm_scores(result.scores, td["response_mask"])
-        self.store.kv_batch_put(keys, partition, batch_of({"rm_scores": rm}, len(keys)))
-        return result
+        return td, items
 
     @staticmethod
     def _reward_extra_metrics(result: RewardResult, pad: torch.Tensor, stats: StepStats) -> None:
@@ -193,6 +202,8 @@ class GRPOTrainer:
         batch = self._stage("sample", st, self._sample, batch)               # 2. terminal groups, oldest first
         batch = self._stage("plan", st, self._plan, batch)                   # 3. padding + balanced DP shares
         batch = self._stage("reward", st, self._compute_reward, batch)       # 4. rm_scores
+        if self.cfg.reward.judge.enable:
+            batch = self._stage("judge", st, self._compute_judge_scores, batch)  # 4b. the judge's scores
         batch = self._stage("old_log_prob", st, self._compute_old_log_prob, batch)  # 5. old log-probs, entropy
         if self.ref_bridge is not None:
             batch = self._stage("ref", st, self._compute_ref_log_prob, batch)  # 6. reference log-probs, KL
@@ -267,7 +278,7 @@ class GRPOTrainer:
     def _compute_reward(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
         result = self._score(st.own, TRAIN, self.stream.rows, st.own_pad)
         # with a reward model the rule's scores are a metric of their own; reward/score is the combination
-        st.stats.masked("reward/rule" if self.reward_model is not None else "reward/score", result.scores.double(),
+        st.stats.masked("reward/rule" if self.cfg.reward.learned else "reward/score", result.scores.double(),
                         st.own_pad)
         self._reward_extra_metrics(result, st.own_pad, st.stats)
         st.stats.sum("samples/real", float((~st.own_pad).sum()))
@@ -275,6 +286,22 @@ class GRPOTrainer:
         # no sync: nothing reads the scores before the advantage, and their locations reach the peers with the
         # old-log-prob stage's sync (before it, a peer would find no location for them: a DataPlaneError)
         self._trace("reward", st.sampled, ["rm_scores"], "reward_manager", "advantage")
+        return full
+
+    def _compute_judge_scores(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
+        """The judge's score of each trajectory this rank holds (``rm_judge_scores``); ``reward/judge/*`` over real
+        samples, and the answers without a usable score counted by kind."""
+        scores, failures = torch.zeros(0), []
+        if st.own:
+            td, items = self._reward_inputs(st.own, TRAIN, self.stream.rows, st.own_pad)
+            result = self.judge.judge(items, self.stream.rows, self.step)
+            scores, failures = result.scores, result.failures
+            self.store.kv_batch_put(st.own, TRAIN, batch_of(
+                {JUDGE_FIELD: compute_rm_scores(scores, td["response_mask"])}, len(st.own)))
+        st.stats.masked("reward/judge/score", scores.double(), st.own_pad)
+        for kind in ("no_score", "out_of_range"):
+            st.stats.sum(f"reward/judge/{kind}", float(sum(f == kind for f in failures)))
+        self._trace("judge", st.sampled, [JUDGE_FIELD], "judge", "advantage")
         return full
 
     def _compute_old_log_prob(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:

@@ -110,6 +110,8 @@ def fit(trainer: Any) -> int:
             trainer.schedule.end()
         finally:
             trainer.rollout.close()
+            if trainer.judge is not None:
+                trainer.judge.close()
     if ctx.is_main:
         print(summary.text(trainer.step, cfg.trainer.total_steps, time.perf_counter() - started, trainer.run_dir,
                            trainer.metrics.path, code), flush=True)

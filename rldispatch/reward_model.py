@@ -2,7 +2,7 @@
 (the plan that serves log-probs and values: balanced, padding samples tagged and scored 0). Its per-trajectory
 scores are written as ``rm_model_scores`` (the ``rm_scores`` contract: the score at the last policy token) and
 combined with the rule-based ``rm_scores`` in the advantage stage (``reward.model.weight`` /
-``reward.model.rule_weight``)."""
+``reward.rule_weight``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,9 @@ from tensordict import TensorDict
 from backends.base import Share
 from backends.config import LoraConfig
 from dispatch import Topology
+from protocol.algos.reward import RewardConfig
 from rldispatch.config import RunConfig
+from rldispatch.judge import JUDGE_FIELD
 from rldispatch.step_state import StepState
 
 __all__ = ["RewardModelRole", "RM_FIELD", "build_reward_model_engine", "combined_scores"]
@@ -34,11 +36,15 @@ def build_reward_model_engine(cfg: RunConfig, topology: Topology) -> Any:
                                  micro_batch_size=rm.micro_batch_size)
 
 
-def combined_scores(rule: torch.Tensor, model: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
-    """The trajectory scores the advantage uses: ``weight * model + rule_weight * rule`` (both padded
-    [n, L] rows with the score at the last policy token)."""
-    rm = cfg.reward.model
-    return rm.weight * model + rm.rule_weight * rule
+def combined_scores(reward: RewardConfig, rule: torch.Tensor, learned: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The trajectory scores the advantage uses: ``reward.rule_weight * rule`` plus each model's weighted scores
+    (``learned``: ``rm_model_scores`` / ``rm_judge_scores``; all padded [n, L] rows with the score at the last
+    policy token)."""
+    weights = {RM_FIELD: reward.model.weight, JUDGE_FIELD: reward.judge.weight}
+    out = reward.rule_weight * rule
+    for name, scores in learned.items():
+        out = out + weights[name] * scores
+    return out
 
 
 class RewardModelRole:

@@ -139,7 +139,7 @@ def build_trainer(size: int, rank: int, world: int, work: Path, gc_interval: int
                               prompt_key=cfg.data.prompt_key)
     t.store = ShardedStore(LocalStore())
     t.bridge, t.ref_bridge = StoreBridge(None, t.store), None
-    t.critic = t.reward_model = None  # no critic, no reward model: the GRPO step
+    t.critic = t.reward_model = t.judge = None  # no critic, no reward model, no judge: the GRPO step
     engine = SyntheticRollout(cfg.model.vocab_size, cfg.data.max_response_length, stop_token_ids(t.tokenizer),
                               pool=size)
     holders = [t.topology.reporting_rank(d) for d in range(t.topology.dp_size)]

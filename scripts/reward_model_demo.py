@@ -2,7 +2,7 @@
 
 1. Train a tiny one-label Qwen2 sequence classifier on CPU to score a sequence (a grpo_tiny prompt + a random
    response) +1 when its response contains the target character and -1 otherwise; save it as a Hugging Face folder.
-2. Run grpo_tiny with that reward model as the only reward (``reward.model.rule_weight=0``) for each seed, and, as
+2. Run grpo_tiny with that reward model as the only reward (``reward.rule_weight=0``) for each seed, and, as
    the control, with the same architecture untrained (random weights). The rule-based scorer is this file's
    :func:`contains_target` (1 when the response contains the target, else 0): with ``rule_weight=0`` it does not
    train anything, it measures — ``reward/rule/mean`` is the rate of sampled responses with the target and the
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         models[name] = json.loads((rm / "demo.json").read_text())
         print(f"reward model {name}: held-out accuracy {models[name]['accuracy']:.3f}", flush=True)
     for name in ("trained", "untrained"):
-        overrides = [f"reward.model.hf_path={out / f'rm_{name}'}", "reward.model.rule_weight=0",
+        overrides = [f"reward.model.hf_path={out / f'rm_{name}'}", "reward.rule_weight=0",
                      f"custom_reward_function.path={Path(__file__).resolve()}",
                      "custom_reward_function.name=contains_target"]
         subprocess.run([sys.executable, str(REPO / "scripts" / "learning_curves.py"), "--layouts", "fsdp-dp2",

@@ -31,6 +31,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch import Tensor
 
+from protocol.algos.judge import JudgeConfig
 from protocol.algos.scorers import (
     RewardError,
     Scorer,
@@ -51,6 +52,7 @@ import protocol.rollout.tasks  # noqa: F401  (the learnable tasks register their
 __all__ = [
     "GSM8KTrainConfig",
     "RewardModelConfig",
+    "JudgeConfig",
     "RewardError",
     "UnknownDataSourceError",
     "Scorer",
@@ -378,12 +380,10 @@ class GSM8KTrainConfig:
 class RewardModelConfig:
     """``reward.model``: a discriminative reward model (a one-label ``*ForSequenceClassification`` folder) scoring
     every trajectory (prompt + response) on the training ranks. The trajectory's score is
-    ``weight * model score + rule_weight * rule score``; with the default ``rule_weight`` 0 the model's score
-    replaces the rule-based one, which stays a metric (``reward/rule/*``)."""
+    ``reward.rule_weight * rule score + weight * model score`` (+ the judge's, :class:`JudgeConfig`)."""
 
     hf_path: str | None = None  # a one-label *ForSequenceClassification folder (None: no reward model)
     weight: float = 1.0  # the model score's weight in the trajectory score
-    rule_weight: float = 0.0  # the rule-based score's weight (0: the model's replaces it; it stays a metric)
     max_length: int | None = None  # longest sequence it scores (None: its max_position_embeddings)
     truncation: Literal["error", "left"] = "error"  # a longer one: an error, or keep its last max_length tokens
     micro_batch_size: int | None = None  # sequences per forward (None: the plan's inference micro-batches)
@@ -395,10 +395,8 @@ class RewardModelConfig:
     def __post_init__(self) -> None:
         if self.hf_path == "":
             self.hf_path = None
-        for key in ("weight", "rule_weight"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RewardError(f"reward.model.{key} must be a finite number, got {value!r}")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
+            raise RewardError(f"reward.model.weight must be a finite number, got {self.weight!r}")
         for key in ("max_length", "micro_batch_size"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -407,15 +405,29 @@ class RewardModelConfig:
 
 @dataclass
 class RewardConfig:
-    """The ``reward`` section: which reward manager scores the rollouts, and its settings."""
+    """The ``reward`` section: which reward manager scores the rollouts, and its settings.
+
+    With a reward model or a judge on, a trajectory's score is ``rule_weight * rule + model.weight * model +
+    judge.weight * judge``; the default ``rule_weight`` 0 lets the models' scores replace the rule-based one (the
+    reference system's behaviour), which stays a metric (``reward/rule/*``)."""
 
     manager: RewardManagerName = "naive"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     math_verify: bool = False  # MATH data sources by math-verify's equivalence instead of string normalisation
     gsm8k_train: GSM8KTrainConfig = field(default_factory=GSM8KTrainConfig)
+    rule_weight: float = 0.0  # with a reward model or judge: the rule score's weight (0: theirs replace it)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    @property
+    def learned(self) -> bool:
+        """Whether a model (a reward model or a judge) scores the trajectories."""
+        return self.model.enabled or self.judge.enable
 
     def __post_init__(self) -> None:
+        if isinstance(self.rule_weight, bool) or not isinstance(self.rule_weight, (int, float)) \
+                or not math.isfinite(self.rule_weight):
+            raise RewardError(f"reward.rule_weight must be a finite number, got {self.rule_weight!r}")
         if self.manager not in known_reward_managers():
             _MANAGERS.get(self.manager)  # raises, naming reward.manager and listing the known managers
         if self.overlong_buffer.enable and self.manager != "dapo":

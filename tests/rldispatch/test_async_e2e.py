@@ -96,12 +96,22 @@ def test_colocate_async_off_policy_on_two_megatron_ranks(torchrun, tmp_path):
 def test_colocate_async_drop_evicts_the_warm_up_batch_and_refills_it(tmp_path):
     """Threshold 1 with a batch ahead: what is left of the warm-up batch has span 2 at step 1, so it is evicted
     (never trained) and exactly as many fresh prompts are submitted; every trained group has span 1. FSDP, with
-    sequence-level IS weights."""
+    sequence-level IS weights, and a generative judge as the only reward: it answers in its own engine while the
+    policy's is paused, and the step trains on its scores."""
+    sys.path.insert(0, str(REPO / "tests" / "dist"))
+    import hf_tiny
+
+    judge = hf_tiny.make_checkpoint(tmp_path / "judge", "llama", tokenizer=False, vocab_size=128, seed=3)
     run_dir = tmp_path / "run"
     _train("--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}", "trainer.total_steps=3",
            "trainer.val_freq=0", "trainer.mode=colocate_async", "trainer.colocate_async.num_warmup_batches=1",
-           "replay.max_off_policy_threshold=1", "algorithm.rollout_correction.rollout_is=sequence")
+           "replay.max_off_policy_threshold=1", "algorithm.rollout_correction.rollout_is=sequence",
+           "reward.judge.enable=true", f"reward.judge.hf_path={judge}", "reward.judge.chat_template=false",
+           "reward.judge.template='Q:{prompt} A:{response} Score:'")
     records = _metrics(run_dir)
+    for r in records:  # reward.rule_weight 0: the judge's scores are the reward; the rule's stay a metric
+        assert r["reward/score/mean"] == pytest.approx(r["reward/judge/score/mean"], rel=1e-6, abs=1e-6)
+        assert "reward/rule/mean" in r and "timing_s/judge" in r
     assert all(r["off_policy/span/max"] == 1 and r["replay/num_groups"] == 16 for r in records)
     assert all(0 < r["rollout_corr/rollout_is_mean"] <= 2.0 for r in records)  # FSDP's loss takes the weights
     evicted = sum(r["off_policy/evicted_groups"] for r in records)

@@ -115,19 +115,29 @@ def test_separate_async_one_rollout_rank_one_training_rank(process_tree, tmp_pat
 def test_separate_async_groups_go_to_the_training_rank_that_owns_them(process_tree, tmp_path):
     """2 training ranks (FSDP DP=2) + 1 rollout rank: each finished group travels from the rollout rank straight to
     its owner (the reporting rank of DP replica i % 2 for a submission's prompt i), so both training ranks receive
-    half of the groups and none funnels through rank 0; both shut down with empty stores."""
+    half of the groups and none funnels through rank 0; both shut down with empty stores. A generative judge
+    answers on the training ranks, each for the groups it received."""
     from tests.conftest import _free_port
 
+    sys.path.insert(0, str(REPO / "tests" / "dist"))
+    import hf_tiny
+
+    judge = hf_tiny.make_checkpoint(tmp_path / "judge", "llama", tokenizer=False, vocab_size=128, seed=3)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", TRAIN, "--config", CONFIG, *SMALL,
            f"data.train_files=[{tmp_path}/data/train.parquet]", f"data.val_files=[{tmp_path}/data/val.parquet]",
            f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.val_freq=0", "trainer.save_freq=0",
-           "trainer.mode=separate_async", "debug.weight_checksums=true"]
+           "trainer.mode=separate_async", "debug.weight_checksums=true", "reward.judge.enable=true",
+           f"reward.judge.hf_path={judge}", "reward.judge.chat_template=false", "reward.rule_weight=1",
+           "reward.judge.template='Q:{prompt} A:{response} Score:'"]
     proc = process_tree(cmd, timeout=300, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-6000:]
     records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:  # the rule's score plus the judge's (both weight 1)
+        want = r["reward/rule/mean"] + r["reward/judge/score/mean"]
+        assert r["reward/score/mean"] == pytest.approx(want, rel=1e-6, abs=1e-6) and "timing_s/judge" in r
     got = [sum(r[f"async/groups_received/rank{k}"] for r in records) for k in (0, 1)]
     # 16 prompts a step, dealt round robin over the 2 replicas: 8 groups each per submitted batch; the warm-up batch
     # and the 3 steps' batches are 64 groups, of which at least the 48 trained arrived before shutdown
