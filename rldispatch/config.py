@@ -553,6 +553,28 @@ def _check_reward(cfg: RunConfig) -> None:
         _check_judge(cfg)
 
 
+def _check_reward_model_tokenizer(path: str, vocab_size: int) -> None:
+    """``reward.model.retokenize``: the folder's own tokenizer, inside its vocabulary, with a chat template."""
+    import os
+
+    from protocol.rollout.tokenizer import TokenizerError, VocabularyError, check_vocab_fits, load_tokenizer
+
+    if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"} & set(os.listdir(path)):
+        raise ConfigError(f"reward.model.retokenize=true reads the reward model's own tokenizer, but "
+                          f"reward.model.hf_path={path!r} has no tokenizer files")
+    try:
+        tok = load_tokenizer(path)
+        check_vocab_fits(tok, vocab_size, where=f"reward.model.hf_path={path!r}'s vocabulary")
+    except (TokenizerError, VocabularyError) as exc:
+        raise ConfigError(f"reward.model.retokenize=true reads the reward model's own tokenizer: {exc}") from exc
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                add_generation_prompt=False)
+    except Exception as exc:  # a tokenizer without a template says so its own way
+        raise ConfigError(f"reward.model.retokenize=true: the tokenizer of reward.model.hf_path={path!r} cannot "
+                          f"apply a chat template ({exc})") from exc
+
+
 def _check_judge(cfg: RunConfig) -> None:
     """``reward.judge``: a causal-LM folder whose tokenizer (its own, else the policy's) fits its vocabulary and,
     with ``chat_template``, renders a user message; all before any collective."""
@@ -603,13 +625,16 @@ def _check_reward_model(cfg: RunConfig) -> None:
         found = read_reward_config(rm.hf_path)
     except HFCheckpointError as exc:
         raise ConfigError(str(exc)) from exc
-    if found.vocab_size != cfg.model.vocab_size:
+    files = ("tokenizer.json", "tokenizer_config.json")
+    if rm.retokenize:
+        _check_reward_model_tokenizer(rm.hf_path, found.vocab_size)
+    elif found.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"reward.model.hf_path={rm.hf_path!r} has vocab_size={found.vocab_size}, the policy "
                           f"(model.vocab_size) {cfg.model.vocab_size}: the reward model reads the policy's token "
-                          f"ids, so their vocabularies must be the same")
+                          f"ids, so their vocabularies must be the same, or set reward.model.retokenize=true to "
+                          f"read each trajectory in the reward model's own chat template and tokenizer")
     policy_tok = cfg.data.tokenizer if cfg.data.tokenizer not in ("", "char") else cfg.model.hf_path
-    files = ("tokenizer.json", "tokenizer_config.json")
-    if policy_tok and any(os.path.isfile(os.path.join(rm.hf_path, f)) for f in files) \
+    if not rm.retokenize and policy_tok and any(os.path.isfile(os.path.join(rm.hf_path, f)) for f in files) \
             and any(os.path.isfile(os.path.join(policy_tok, f)) for f in files):
         from transformers import AutoTokenizer
 
@@ -618,7 +643,8 @@ def _check_reward_model(cfg: RunConfig) -> None:
         if mine != theirs:
             differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
             raise ConfigError(f"reward.model.hf_path={rm.hf_path!r}: its tokenizer's vocabulary differs from the "
-                              f"policy's ({policy_tok}), e.g. {differ}; the reward model reads the policy's token ids")
+                              f"policy's ({policy_tok}), e.g. {differ}; the reward model reads the policy's token ids "
+                              f"(or set reward.model.retokenize=true)")
     if rm.max_length is not None and rm.max_length > found.max_position_embeddings:
         raise ConfigError(f"reward.model.max_length={rm.max_length} exceeds the reward model's "
                           f"max_position_embeddings={found.max_position_embeddings}")

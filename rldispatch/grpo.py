@@ -94,7 +94,8 @@ class GRPOTrainer:
                                           self.engine) if cfg.ref.enabled else None
         self.store = ShardedStore(LocalStore(), device=ctx.device)
         self.critic = CriticRole(cfg, self.topology, self.store) if cfg.critic.enabled else None
-        self.reward_model = RewardModelRole(cfg, self.topology, self.store) if cfg.reward.model.enabled else None
+        self.reward_model = RewardModelRole(cfg, self.topology, self.store, self.tokenizer) \
+            if cfg.reward.model.enabled else None
         self.bridge = StoreBridge(self.engine, self.store)
         self.ref_bridge = StoreBridge(self.ref_engine, self.store) if self.ref_engine is not None else None
 
@@ -345,7 +346,7 @@ class GRPOTrainer:
         """The reward model's score of every trajectory, on the inference share the log-probs used (no new fetch);
         combined with the rule-based scores in the advantage stage."""
         with st.compute.region("infer"):
-            self.reward_model.score(st)
+            self.reward_model.score(st, self.stream.rows)
         self.store.sync()
         self._trace("reward_model", st.sampled, [RM_FIELD], "reward_model.infer_batch", "advantage")
         return full

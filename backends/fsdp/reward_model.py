@@ -79,20 +79,27 @@ class FSDPRewardModelEngine(FSDPEngine):
         return [max(int(k), 1) for k in need]
 
     @torch.no_grad()
-    def infer_batch(self, share: Share, *, temperature: float = 1.0, with_entropy: bool = False):
+    def infer_batch(self, share: Share, *, temperature: float = 1.0, with_entropy: bool = False,
+                    input_ids: list[torch.Tensor] | None = None):
         """``rm_scores`` of the share's samples, jagged, in share order, on SP rank 0 of each replica (else None).
-        ``temperature`` is a policy's setting: a score does not depend on it."""
+        ``temperature`` is a policy's setting: a score does not depend on it. ``input_ids``: the reward model's own
+        token ids of each sample (re-tokenized; default: the share's), read in the share's micro-batches; the score
+        is still placed at each sample's last policy token."""
         if with_entropy:
             raise ValueError("a reward model has no entropy: call infer_batch with with_entropy=False")
         view = read_share(share, train=False, max_tokens=self.config.max_token_len_per_gpu)
+        if input_ids is not None and len(input_ids) != view.n:
+            raise ValueError(f"input_ids has {len(input_ids)} rows for a share of {view.n} samples")
+        ids_rows = view.input_ids if input_ids is None else input_ids
+        lens = [int(r.numel()) for r in ids_rows]
         scores = torch.zeros(view.n)
-        truncated = torch.tensor([n > self.max_length for n in view.seq_lens])
+        truncated = torch.tensor([n > self.max_length for n in lens])
         if self.truncation == "error" and bool(truncated.any()):
             j = int(truncated.nonzero()[0])
-            raise RewardModelError(f"a sequence of {view.seq_lens[j]} tokens exceeds reward.model.max_length="
+            raise RewardModelError(f"a sequence of {lens[j]} tokens exceeds reward.model.max_length="
                                    f"{self.max_length}; raise it or set reward.model.truncation=left (keep the "
                                    f"last {self.max_length} tokens)")
-        rows = [ids[-self.max_length:] for ids in view.input_ids]
+        rows = [ids[-self.max_length:] for ids in ids_rows]
         try:
             for mb, n_parts in zip(share.micro_batches, self._parts_per_micro_batch(share)):
                 for part in torch.tensor_split(torch.tensor(list(mb), dtype=torch.long), n_parts):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -23,7 +24,7 @@ from backends.model.hf import HFCheckpointError, check_weights, read_hf_config, 
 from backends.model.llama import AttentionFn, LlamaModel, parameter_shapes
 
 __all__ = ["RewardModel", "RewardModelError", "SCORE_HEAD", "read_reward_config", "reward_state_dict",
-           "load_reward_model", "last_token_positions"]
+           "load_reward_model", "last_token_positions", "chat_input_ids"]
 
 #: the classification head's parameter name (in the Hugging Face folder and in the model)
 SCORE_HEAD = "score.weight"
@@ -66,6 +67,21 @@ class RewardModel(LlamaModel):
             idx = last_token_positions(cu_seqlens) if logits_positions is None else logits_positions
             h = h.index_select(0, idx.to(h.device))
         return torch.mv(h, self.score.weight[0].to(h.dtype)).float()
+
+
+def chat_input_ids(tokenizer: Any, raw_prompt: Any, response: str) -> list[int]:
+    """The reward model's own token ids of one trajectory: the prompt's chat messages (a string is one user
+    message) and the decoded response as the assistant's message, rendered with ``tokenizer``'s chat template (the
+    reference system's re-tokenization for a reward model whose template or vocabulary is not the policy's)."""
+    if isinstance(raw_prompt, str):
+        messages = [{"role": "user", "content": raw_prompt}]
+    elif isinstance(raw_prompt, Sequence) and all(isinstance(m, Mapping) and "role" in m for m in raw_prompt):
+        messages = [dict(m) for m in raw_prompt]
+    else:
+        raise RewardModelError(f"reward.model.retokenize needs each row's raw_prompt as a string or chat messages, "
+                               f"got {type(raw_prompt).__name__}")
+    return list(tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}],
+                                              add_generation_prompt=False))
 
 
 def read_reward_config(path: str) -> ModelConfig:

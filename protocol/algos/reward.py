@@ -387,6 +387,7 @@ class RewardModelConfig:
     max_length: int | None = None  # longest sequence it scores (None: its max_position_embeddings)
     truncation: Literal["error", "left"] = "error"  # a longer one: an error, or keep its last max_length tokens
     micro_batch_size: int | None = None  # sequences per forward (None: the plan's inference micro-batches)
+    retokenize: bool = False  # read prompt + decoded response in the model folder's own chat template and tokenizer
 
     @property
     def enabled(self) -> bool:

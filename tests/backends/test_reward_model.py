@@ -101,6 +101,9 @@ def test_reward_model_config_errors_are_one_line_naming_the_key_at_load(tmp_path
         ([f"reward.model.hf_path={tmp_path}/none"], "reward.model.hf_path", "is not a folder"),
         ([f"reward.model.hf_path={causal}"], "reward.model.hf_path", "not a *ForSequenceClassification"),
         ([f"reward.model.hf_path={wrong_vocab}"], "reward.model.hf_path", "vocab_size=320, the policy"),
+        ([f"reward.model.hf_path={wrong_vocab}"], "reward.model.retokenize=true", "own chat template"),
+        ([f"reward.model.hf_path={wrong_vocab}", "reward.model.retokenize=true"], "reward.model.retokenize",
+         "has no tokenizer files"),
         ([f"reward.model.hf_path={good}", "actor.backend=megatron"], "actor.backend=megatron",
          "the reward model runs on the FSDP engine only"),
         ([f"reward.model.hf_path={good}", "reward.model.max_length=100000"], "reward.model.max_length",
@@ -115,6 +118,8 @@ def test_reward_model_config_errors_are_one_line_naming_the_key_at_load(tmp_path
         message = str(info.value)
         assert key in message and text in message and "\n" not in message, (overrides, message)
     assert load_config("grpo_tiny", [f"reward.model.hf_path={good}"]).reward.model.enabled
+    own = hf_tiny.make_checkpoint(tmp_path / "own", "qwen2", classifier=True, tokenizer=True)  # its own vocabulary
+    assert load_config("grpo_tiny", [f"reward.model.hf_path={own}", "reward.model.retokenize=true"]).reward.model.retokenize
 
 
 
@@ -152,3 +157,62 @@ def test_one_rank_reward_model_engine_scores_as_the_model(tmp_path):
     torch.testing.assert_close(out["scores"], want, rtol=1e-5, atol=1e-5)
     for row, score in zip(out["rm_scores"].unbind(), out["scores"]):
         assert float(row[-1]) == float(score) and int((row[:-1] != 0).sum()) == 0
+
+
+def test_retokenized_trajectories_score_as_transformers_reads_them_in_its_chat_template(tmp_path):
+    """``reward.model.retokenize``: prompt messages + a decoded response rendered in the reward model's own ChatML
+    template (a BPE vocabulary the policy's char ids know nothing of) are the ids transformers' tokenizer makes of
+    the same conversation, and the one-rank engine fed them scores as transformers' classifier does; each score
+    still lands at the last policy token of the policy's response row."""
+    import socket
+
+    import torch.distributed as dist
+    from tensordict import TensorDict
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from backends.base import Share
+    from backends.config import EngineConfig
+    from backends.fsdp.reward_model import FSDPRewardModelEngine
+    from backends.model.reward_model import chat_input_ids
+    from protocol.batch.nested import to_nested
+    from protocol.rollout.tokenizer import CharTokenizer, load_tokenizer
+
+    folder = hf_tiny.make_checkpoint(tmp_path / "rm", "qwen2", classifier=True, tokenizer=True)
+    ours_tok, theirs_tok = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    policy = CharTokenizer()
+    prompts = [[{"role": "user", "content": "repeat: ab"}], "copy: abcd",
+               [{"role": "system", "content": "be brief"}, {"role": "user", "content": "reverse: dcba"}]]
+    responses = ["aabb", "the answer is 42", "abcd"]
+    policy_rows, masks, own = [], [], []
+    for prompt, response in zip(prompts, responses):
+        p_ids = policy.apply_chat_template(prompt if isinstance(prompt, list) else
+                                           [{"role": "user", "content": prompt}])
+        r_ids = policy.encode(response) + [policy.eos_token_id]
+        policy_rows.append(torch.tensor(p_ids + r_ids))
+        masks.append(torch.ones(len(r_ids), dtype=torch.long))
+        text = policy.decode(r_ids, skip_special=True)
+        assert text == response
+        ids = chat_input_ids(ours_tok, prompt, text)
+        messages = (prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]) + \
+            [{"role": "assistant", "content": response}]
+        want_ids = theirs_tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+        assert ids == list(want_ids)
+        own.append(torch.tensor(ids))
+    data = TensorDict({"input_ids": to_nested(policy_rows), "response_mask": to_nested(masks)},
+                      batch_size=[len(policy_rows)])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        eng = FSDPRewardModelEngine(EngineConfig(model=read_reward_config(str(folder))))
+        out = eng.infer_batch(Share(data, [[0, 1], [2]]), input_ids=own)
+    finally:
+        dist.destroy_process_group()
+    theirs = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = torch.cat([theirs(input_ids=ids[None]).logits[:, 0] for ids in own])
+    torch.testing.assert_close(out["scores"], want, rtol=1e-5, atol=1e-5)
+    for row, mask, score in zip(out["rm_scores"].unbind(), masks, out["scores"]):
+        assert row.shape == mask.shape and float(row[-1]) == float(score) and int((row[:-1] != 0).sum()) == 0

@@ -46,20 +46,21 @@ def _check_step_records(records: list[dict], steps: int) -> None:
 @pytest.mark.slow
 def test_fsdp_run_with_failures_padding_a_reward_model_and_a_judge(torchrun, tmp_path):
     """grpo_tiny on 2 ranks with injected failures (dropped groups -> padding samples), invariants and traces on, a
-    reward model and a generative judge beside the rule (weights 2, 0.25 and 0.5; the reward model's forwards cut
-    to 3 sequences): every step reports each scorer's scores over the real samples, counts the judge's answers
+    reward model re-tokenizing in its own chat template and a generative judge beside the rule (weights 2, 0.25
+    and 0.5; the reward model's forwards cut to 3 sequences): every step reports each scorer's scores over the real samples, counts the judge's answers
     without a usable score, and trains on 2 x model + 0.25 x judge + 0.5 x rule."""
     sys.path.insert(0, str(REPO / "tests" / "dist"))
     import hf_tiny
 
-    rm = hf_tiny.make_checkpoint(tmp_path / "rm", "qwen2", classifier=True, tokenizer=False, vocab_size=128)
+    # the reward model reads each trajectory in its own ChatML template and BPE vocabulary (the policy's is chars)
+    rm = hf_tiny.make_checkpoint(tmp_path / "rm", "qwen2", classifier=True, tokenizer=True)
     judge = hf_tiny.make_checkpoint(tmp_path / "judge", "llama", tokenizer=False, vocab_size=128, seed=3)
     run_dir = tmp_path / "run"
     out = torchrun(TRAIN, 2, "--config", CONFIG, *SMALL, *_data_args(tmp_path), f"trainer.run_dir={run_dir}",
                    "trainer.total_steps=3", "debug.inject_rollout_failures=0.3", "trace.enabled=true",
                    "debug.check_invariants=true", "rollout.log_prob_mode=bypass", f"reward.model.hf_path={rm}",
                    "reward.model.weight=2", "reward.rule_weight=0.5", "reward.model.micro_batch_size=3",
-                   "reward.judge.enable=true", f"reward.judge.hf_path={judge}", "reward.judge.weight=0.25",
+                   "reward.model.retokenize=true", "reward.judge.enable=true", f"reward.judge.hf_path={judge}", "reward.judge.weight=0.25",
                    "reward.judge.template='Q:{prompt} A:{response} Score:'", "reward.judge.chat_template=false",
                    "reward.judge.max_score=4", timeout=400)
     records = _metrics(run_dir)
