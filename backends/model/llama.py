@@ -178,10 +178,14 @@ class LlamaModel(nn.Module):
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids and position_ids must both be 1-D [T] (packed); got "
                              f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}")
+        return self.run_layers(self.embed_tokens(input_ids), position_ids, cu_seqlens, attention)
+
+    def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                   attention: AttentionFn | None = None) -> torch.Tensor:
+        """The decoder layers and final norm over input embeddings x [T, hidden]."""
         if attention is None:  # the longest sequence, read once per forward instead of once per layer
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
             attention = functools.partial(packed_attention, max_seqlen=longest)
-        x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():

@@ -1,0 +1,116 @@
+"""The Qwen2-VL-family policy against transformers' own Qwen2-VL: patch positions, multimodal rotary positions and
+log-probs of a packed batch mixing sequences with several images, one image and none."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from backends.model.vision import (VLModel, load_vl_checkpoint, mrope_positions, patch_positions,  # noqa: F401
+                                   read_vl_config, vl_state_dict)
+
+IMAGE, START, END = 150, 152, 153
+
+
+def _tiny_vl(out, seed: int = 0, scale: float = 2.0):
+    """A random tiny Qwen2VLForConditionalGeneration saved to ``out`` (matrices ~ normal(0, scale / sqrt(fan_in)),
+    norms near 1: logits far from uniform, so position or ordering mistakes show)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         bos_token_id=0, eos_token_id=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
+                           temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
+        image_token_id=IMAGE, video_token_id=151, vision_start_token_id=START, vision_end_token_id=END)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_((1.0 if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight"))
+                         else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / p[0].numel() ** 0.5)
+    model.save_pretrained(str(out))
+    return model.eval()
+
+
+def _sequence(text: list[int], grids: list[tuple[int, int, int]], merge: int = 2) -> list[int]:
+    """``text`` with each image's <vision_start> image tokens <vision_end> run inserted after its first token."""
+    ids = text[:1]
+    for t, h, w in grids:
+        ids += [START] + [IMAGE] * (t * h * w // merge ** 2) + [END]
+    return ids + text[1:]
+
+
+@given(grids=st.lists(st.tuples(st.integers(1, 2), st.integers(1, 4), st.integers(1, 4)), min_size=1, max_size=3))
+def test_patch_positions_are_transformers_vision_positions(grids):
+    from transformers.vision_utils import get_vision_position_ids
+
+    g = torch.tensor([(t, 2 * h, 2 * w) for t, h, w in grids])
+    assert torch.equal(patch_positions(g, 2), get_vision_position_ids(g, 2))
+
+
+def test_mrope_positions_are_transformers_rope_index(tmp_path):
+    """Sequences with 0, 1 and 2 images of different shapes: the [3, T] positions transformers' get_rope_index
+    computes from the token types; a run of image tokens shorter than its image is refused."""
+    model = _tiny_vl(tmp_path / "vl")
+    cases = [([5, 6, 7], []), ([5, 6, 7, 8], [(1, 4, 4)]), ([9, 10, 11], [(1, 2, 6), (1, 6, 4)])]
+    for text, grids in cases:
+        ids = torch.tensor(_sequence(text, grids))
+        g = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        ours = mrope_positions(ids, IMAGE, g, 2)
+        if grids:
+            types = (ids == IMAGE).int()[None]
+            want, _ = model.model.get_rope_index(ids[None], mm_token_type_ids=types, image_grid_thw=g)
+            assert torch.equal(ours, want[:, 0]), (grids, ours, want[:, 0])
+        else:
+            assert torch.equal(ours, torch.arange(len(ids)).expand(3, -1))
+    with pytest.raises(ValueError, match="needs 4 image tokens"):
+        mrope_positions(torch.tensor([5, IMAGE, IMAGE, 6]), IMAGE, torch.tensor([[1, 4, 4]]), 2)
+    with pytest.raises(ValueError, match="for 0 of its 1 images"):
+        mrope_positions(torch.tensor([5, 6]), IMAGE, torch.tensor([[1, 4, 4]]), 2)
+
+
+def test_log_probs_of_a_packed_mixed_batch_equal_transformers(tmp_path):
+    """One packed batch: a sequence with two images of different sizes, one with one image, one with none; the
+    project's log-probs of every next token equal transformers' (each sequence on its own) to 1e-5 in fp32, and
+    the vision tower's features equal transformers' visual model."""
+    theirs = _tiny_vl(tmp_path / "vl")
+    ours = load_vl_checkpoint(str(tmp_path / "vl"))
+    cfg = ours.vl
+    gen = torch.Generator().manual_seed(1)
+    cases = [([5, 6, 7, 8, 9], [(1, 2, 6), (1, 6, 4)]), ([10, 11, 12], [(1, 4, 4)]), ([13, 14, 15, 16], [])]
+    ids_all, pos_all, pix_all, grid_all, want = [], [], [], [], []
+    for text, grids in cases:
+        ids = torch.tensor(_sequence(text, grids))
+        g = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        n = int(sum(t * h * w for t, h, w in grids))
+        pix = torch.randn(n, cfg.vision.patch_dim, generator=gen)
+        kwargs = dict(pixel_values=pix, image_grid_thw=g, mm_token_type_ids=(ids == IMAGE).int()[None]) \
+            if grids else {}
+        with torch.no_grad():
+            logits = theirs(input_ids=ids[None], **kwargs).logits[0]
+        want.append(torch.log_softmax(logits[:-1].double(), -1).gather(1, ids[1:, None]).squeeze(1))
+        ids_all.append(ids)
+        pos_all.append(mrope_positions(ids, IMAGE, g, 2))
+        if grids:
+            pix_all.append(pix)
+            grid_all.append(g)
+    ids = torch.cat(ids_all)
+    pos = torch.cat(pos_all, dim=1)
+    cu = torch.tensor([0] + [len(x) for x in ids_all]).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        logits = ours(ids, pos, cu, pixel_values=torch.cat(pix_all), image_grid_thw=torch.cat(grid_all))
+        feats = ours.visual(torch.cat(pix_all), torch.cat(grid_all))
+        ref_feats = theirs.model.visual(torch.cat(pix_all), grid_thw=torch.cat(grid_all)).pooler_output
+    torch.testing.assert_close(feats, ref_feats, rtol=1e-5, atol=1e-5)
+    logp = torch.log_softmax(logits.double(), -1)
+    for i, (a, b) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+        got = logp[a:b - 1].gather(1, ids[a + 1:b, None]).squeeze(1)
+        assert want[i].abs().max() > 0.5, "log-probs far from uniform"
+        torch.testing.assert_close(got, want[i], rtol=0, atol=1e-5)
