@@ -42,6 +42,12 @@ def load_datasets(cfg: RunConfig, tokenizer: Any, is_main: bool) -> tuple[RLHFDa
                                     filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check))
         except (DatasetError, RewardError) as exc:  # every rank reads the same files: all stop here alike
             raise ConfigError(f"data.{key}: {exc}") from exc
+        with_media = next((r for r in sets[-1].rows if r.get("multi_modal_data")), None)
+        if with_media is not None:  # a text-only policy would train on the prompt without what it refers to
+            raise ConfigError(f"data.{key}: row {with_media['extra_info']['index']} carries "
+                              f"{sorted(with_media['multi_modal_data'])} (multi_modal_data); the trainer's policies "
+                              f"read text only so far (vision-language training: docs/multimodal.md), so rows with "
+                              f"images, videos or audio are refused rather than trained on without them")
     if len(sets[0]) < d.train_batch_size:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(sets[0])} usable rows of "
                           f"data.train_files {d.train_files}")
