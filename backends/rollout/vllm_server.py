@@ -132,7 +132,12 @@ class VllmServer:
             alive = "running" if self.proc.poll() is None else f"exited with code {self.proc.returncode}"
             raise RolloutError(f"vLLM server {method} {path} failed ({exc}); the server is {alive}; the end of "
                                f"{self.log_path}:\n{self.log_tail()}") from None
-        return json.loads(raw) if raw else None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:  # some endpoints (the LoRA adapters') answer plain text
+            return raw.decode(errors="replace")
 
     def post(self, path: str, body: Any = None, timeout: float = 600.0) -> Any:
         return self._call("POST", path, {} if body is None else body, timeout)
