@@ -1,4 +1,4 @@
-"""A Qwen2-VL-family policy: the vision tower (patch embedding, 2-D rotary transformer blocks, 2x2 patch merger),
+"""A Qwen2-VL / Qwen2.5-VL policy: the vision tower (patch embedding, 2-D rotary transformer blocks, 2x2 patch merger),
 its image features placed at the image tokens of the decoder's input, and the decoder's multimodal rotary
 positions (M-RoPE: temporal / height / width sections of the rotary frequencies).
 
@@ -29,15 +29,19 @@ import torch.nn.functional as F
 from backends.model.attention import check_cu_seqlens
 from backends.model.config import ModelConfig
 from backends.model.hf import HFCheckpointError, check_weights, config_from_hf, read_weight_files
-from backends.model.llama import AttentionFn, LlamaModel, apply_rotary, rope_inv_freq
+from backends.model.llama import AttentionFn, LlamaModel, RMSNorm, apply_rotary, rope_inv_freq
 
 __all__ = ["VisionConfig", "VLConfig", "VisionTower", "VLModel", "patch_positions", "frame_cu_seqlens",
-           "mrope_positions", "mrope_cos_sin", "read_vl_config", "vl_state_dict", "load_vl_checkpoint"]
+           "window_order", "mrope_positions", "mrope_cos_sin", "read_vl_config", "vl_state_dict", "load_vl_checkpoint"]
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """The vision tower of a Qwen2-VL checkpoint (``vision_config`` of its config.json)."""
+    """The vision tower of a Qwen2-VL or Qwen2.5-VL checkpoint (``vision_config`` of its config.json).
+
+    ``family`` qwen2_vl: LayerNorm blocks with a quick-GELU MLP of ``mlp_ratio`` x width, every block attending
+    over whole frames. qwen2_5_vl: RMSNorm blocks with a SwiGLU MLP (biases) of ``intermediate_size``; the blocks
+    in ``fullatt_blocks`` attend over whole frames, the others within windows of ``window_size`` pixels."""
 
     depth: int = 2
     embed_dim: int = 16
@@ -49,11 +53,25 @@ class VisionConfig:
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     rope_theta: float = 10000.0
+    family: str = "qwen2_vl"  # qwen2_vl | qwen2_5_vl
+    intermediate_size: int = 0  # qwen2_5_vl: the SwiGLU MLP's width
+    window_size: int = 112  # qwen2_5_vl: the attention window's side, in pixels
+    fullatt_blocks: tuple[int, ...] = ()  # qwen2_5_vl: the blocks that attend over whole frames
 
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 4:
             raise HFCheckpointError(f"vision_config: embed_dim={self.embed_dim} / num_heads={self.num_heads} must be "
                                     f"a head size divisible by 4 (2-D rotary halves)")
+        if self.family not in ("qwen2_vl", "qwen2_5_vl"):
+            raise HFCheckpointError(f"vision family {self.family!r}: qwen2_vl or qwen2_5_vl")
+        if self.family == "qwen2_5_vl" and (self.intermediate_size < 1 or self.window_units < 1):
+            raise HFCheckpointError(f"vision_config: intermediate_size={self.intermediate_size} and window_size="
+                                    f"{self.window_size} (at least patch_size x spatial_merge_size) are needed")
+
+    @property
+    def window_units(self) -> int:
+        """A window's side in merged units (qwen2_5_vl)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
 
     @property
     def head_dim(self) -> int:
@@ -104,6 +122,25 @@ def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
     """Offsets [frames + 1] (int32) of the frames: the vision tower attends within each."""
     sizes = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
     return torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def window_order(grid_thw: torch.Tensor, merge: int, units: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2.5-VL's windows: the merged units of each frame in window order (windows of ``units x units`` merged
+    units, row by row, the units of a window row by row; windows at the right and bottom edges smaller), as a
+    permutation of the merged units [M], and the windows' offsets in patches (int32, empty windows dropped)."""
+    order, sizes, base = [], [], 0
+    for t, h, w in grid_thw.tolist():
+        gh, gw = h // merge, w // merge
+        for f in range(t):
+            for r0 in range(0, gh, units):
+                for c0 in range(0, gw, units):
+                    rows = torch.arange(r0, min(r0 + units, gh))
+                    cols = torch.arange(c0, min(c0 + units, gw))
+                    order.append((base + f * gh * gw + rows[:, None] * gw + cols[None, :]).reshape(-1))
+                    sizes.append(len(rows) * len(cols) * merge * merge)
+        base += t * gh * gw
+    perm = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
+    return perm, torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
 def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grid_thw: torch.Tensor, merge: int
@@ -180,13 +217,28 @@ class _VisionMLP(nn.Module):
         return self.fc2(h * torch.sigmoid(1.702 * h))  # quick GELU
 
 
+class _VisionSwiGLU(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.embed_dim, cfg.intermediate_size)
+        self.up_proj = nn.Linear(cfg.embed_dim, cfg.intermediate_size)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.embed_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _vision_norm(cfg: VisionConfig) -> nn.Module:
+    return nn.LayerNorm(cfg.embed_dim, eps=1e-6) if cfg.family == "qwen2_vl" else RMSNorm(cfg.embed_dim, 1e-6)
+
+
 class _VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm1 = _vision_norm(cfg)
+        self.norm2 = _vision_norm(cfg)
         self.attn = _VisionAttention(cfg)
-        self.mlp = _VisionMLP(cfg)
+        self.mlp = _VisionMLP(cfg) if cfg.family == "qwen2_vl" else _VisionSwiGLU(cfg)
 
     def forward(self, x, cos, sin, cu):
         x = x + self.attn(self.norm1(x), cos, sin, cu)
@@ -209,7 +261,7 @@ class _PatchMerger(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.width = cfg.embed_dim * cfg.spatial_merge_size ** 2
-        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.ln_q = _vision_norm(cfg)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width,
                                                                                           cfg.out_hidden_size))
 
@@ -248,10 +300,21 @@ class VisionTower(nn.Module):
                              f"spatial merge size {m}")
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(grid_thw, x.device)
-        cu = frame_cu_seqlens(grid_thw).tolist()
-        for block in self.blocks:
-            x = block(x, cos, sin, cu)
-        return self.merger(x)
+        frames = frame_cu_seqlens(grid_thw).tolist()
+        if self.cfg.family == "qwen2_vl":
+            for block in self.blocks:
+                x = block(x, cos, sin, frames)
+            return self.merger(x)
+        # Qwen2.5-VL: tokens in window order (merged units kept whole; a frame's windows stay within it), windowed
+        # attention except in the full-attention blocks, the merged features put back in image order
+        perm, windows = window_order(grid_thw, m, self.cfg.window_units)
+        unit = m * m
+        by_unit = (perm[:, None] * unit + torch.arange(unit)[None, :]).reshape(-1).to(x.device)
+        x, cos, sin = x.index_select(0, by_unit), cos.index_select(0, by_unit), sin.index_select(0, by_unit)
+        windows = windows.tolist()
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in self.cfg.fullatt_blocks else windows)
+        return self.merger(x).index_select(0, torch.argsort(perm).to(x.device))
 
 
 # ---------------------------------------------------------------------------------------------------- the policy
@@ -307,27 +370,37 @@ class VLModel(LlamaModel):
 
 # ------------------------------------------------------------------------------------------ Hugging Face folders
 def read_vl_config(path: str) -> VLConfig:
-    """The :class:`VLConfig` of a ``Qwen2VLForConditionalGeneration`` folder (what it cannot represent is refused)."""
+    """The :class:`VLConfig` of a ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``
+    folder (what it cannot represent is refused)."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise HFCheckpointError(f"model.hf_path={path!r} has no config.json")
     with open(cfg_file) as fh:
         raw = json.load(fh)
-    if raw.get("model_type") != "qwen2_vl":
-        raise HFCheckpointError(f"{path}: model_type={raw.get('model_type')!r}; the vision-language policy reads "
-                                f"qwen2_vl folders")
+    family = raw.get("model_type")
+    if family not in ("qwen2_vl", "qwen2_5_vl"):
+        raise HFCheckpointError(f"{path}: model_type={family!r}; the vision-language policy reads qwen2_vl and "
+                                f"qwen2_5_vl folders")
     text, vision = dict(raw.get("text_config") or raw), dict(raw.get("vision_config") or {})
     rope = dict(text.get("rope_parameters") or {})
     section = tuple(int(s) for s in rope.pop("mrope_section", ()) or ())
     if len(section) != 3:
         raise HFCheckpointError(f"{path}: rope_parameters.mrope_section must have 3 entries, got {list(section)}")
     text.update(model_type="qwen2", rope_parameters=rope, tie_word_embeddings=raw.get("tie_word_embeddings", False))
-    if vision.get("hidden_act", "quick_gelu") != "quick_gelu":
-        raise HFCheckpointError(f"{path}: vision_config.hidden_act={vision['hidden_act']!r}; only quick_gelu")
+    act = vision.get("hidden_act", "quick_gelu" if family == "qwen2_vl" else "silu")
+    if act != ("quick_gelu" if family == "qwen2_vl" else "silu"):
+        raise HFCheckpointError(f"{path}: vision_config.hidden_act={act!r} is not {family}'s")
     vrope = vision.get("rope_parameters") or {}
-    vcfg = VisionConfig(depth=int(vision["depth"]), embed_dim=int(vision["embed_dim"]),
+    # Qwen2-VL names the tower's width embed_dim and the decoder's hidden_size; Qwen2.5-VL hidden_size and
+    # out_hidden_size
+    widths = (vision["embed_dim"], vision["hidden_size"]) if family == "qwen2_vl" else \
+        (vision["hidden_size"], vision["out_hidden_size"])
+    vcfg = VisionConfig(depth=int(vision["depth"]), embed_dim=int(widths[0]),
                         num_heads=int(vision["num_heads"]), mlp_ratio=float(vision.get("mlp_ratio", 4)),
-                        out_hidden_size=int(vision["hidden_size"]), in_channels=int(vision.get("in_channels", 3)),
+                        out_hidden_size=int(widths[1]), in_channels=int(vision.get("in_channels", 3)),
+                        family=family, intermediate_size=int(vision.get("intermediate_size") or 0),
+                        window_size=int(vision.get("window_size", 112)),
+                        fullatt_blocks=tuple(int(i) for i in vision.get("fullatt_block_indexes") or ()),
                         patch_size=int(vision.get("patch_size", 14)),
                         temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
                         spatial_merge_size=int(vision.get("spatial_merge_size", 2)),

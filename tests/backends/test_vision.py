@@ -1,4 +1,4 @@
-"""The Qwen2-VL-family policy against transformers' own Qwen2-VL: patch positions, multimodal rotary positions and
+"""The Qwen2-VL / Qwen2.5-VL policy against transformers' own: patch positions, multimodal rotary positions and
 log-probs of a packed batch mixing sequences with several images, one image and none."""
 from __future__ import annotations
 
@@ -12,21 +12,27 @@ from backends.model.vision import (VLModel, load_vl_checkpoint, mrope_positions,
 IMAGE, START, END = 150, 152, 153
 
 
-def _tiny_vl(out, seed: int = 0, scale: float = 2.0):
-    """A random tiny Qwen2VLForConditionalGeneration saved to ``out`` (matrices ~ normal(0, scale / sqrt(fan_in)),
-    norms near 1: logits far from uniform, so position or ordering mistakes show)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _tiny_vl(out, seed: int = 0, scale: float = 2.0, family: str = "qwen2_vl"):
+    """A random tiny Qwen2-VL (or Qwen2.5-VL: windows of 2 x 2 merged units, block 1 attending over whole frames)
+    saved to ``out`` (matrices ~ normal(0, scale / sqrt(fan_in)), norms near 1: logits far from uniform, so position
+    or ordering mistakes show)."""
+    import transformers
 
-    cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-6,
-                         bos_token_id=0, eos_token_id=1,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
-                           temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
-        image_token_id=IMAGE, video_token_id=151, vision_start_token_id=START, vision_end_token_id=END)
+    text = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    common = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+    if family == "qwen2_vl":
+        vision = dict(common, embed_dim=16, hidden_size=32, mlp_ratio=2)
+        cfg_cls, cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(common, hidden_size=16, out_hidden_size=32, intermediate_size=24, window_size=8,
+                      fullatt_block_indexes=[1])
+        cfg_cls, cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=151,
+                  vision_start_token_id=START, vision_end_token_id=END)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg)
+    model = cls(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -76,11 +82,13 @@ def test_mrope_positions_are_transformers_rope_index(tmp_path):
         mrope_positions(torch.tensor([5, 6]), IMAGE, torch.tensor([[1, 4, 4]]), 2)
 
 
-def test_log_probs_of_a_packed_mixed_batch_equal_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_log_probs_of_a_packed_mixed_batch_equal_transformers(tmp_path, family):
     """One packed batch: a sequence with two images of different sizes, one with one image, one with none; the
     project's log-probs of every next token equal transformers' (each sequence on its own) to 1e-5 in fp32, and
-    the vision tower's features equal transformers' visual model."""
-    theirs = _tiny_vl(tmp_path / "vl")
+    the vision tower's features equal transformers' visual model (Qwen2.5-VL: images of 1 x 3, 3 x 2 and 2 x 2
+    merged units in windows of 2 x 2, so windows split them)."""
+    theirs = _tiny_vl(tmp_path / "vl", family=family)
     ours = load_vl_checkpoint(str(tmp_path / "vl"))
     cfg = ours.vl
     gen = torch.Generator().manual_seed(1)
@@ -113,4 +121,19 @@ def test_log_probs_of_a_packed_mixed_batch_equal_transformers(tmp_path):
     for i, (a, b) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
         got = logp[a:b - 1].gather(1, ids[a + 1:b, None]).squeeze(1)
         assert want[i].abs().max() > 0.5, "log-probs far from uniform"
-        torch.testing.assert_close(got, want[i], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, want[i], rtol=1e-5, atol=1e-5)
+
+
+@given(grids=st.lists(st.tuples(st.integers(1, 2), st.integers(1, 7), st.integers(1, 7)), min_size=1, max_size=3),
+       units=st.integers(1, 4))
+def test_windows_are_transformers_window_index(grids, units):
+    """Qwen2.5-VL's window order and window offsets equal transformers' get_vision_window_index for any grids and
+    window size (edge windows smaller, no empty window)."""
+    from transformers.vision_utils import get_vision_window_index
+
+    from backends.model.vision import window_order
+
+    g = torch.tensor([(t, 2 * h, 2 * w) for t, h, w in grids])
+    perm, cu = window_order(g, 2, units)
+    want_perm, want_cu = get_vision_window_index(g, spatial_merge_size=2, window_size=units * 2 * 2, patch_size=2)
+    assert torch.equal(perm, want_perm) and torch.equal(cu, want_cu)
