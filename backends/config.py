@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from backends.model.config import ModelConfig
 from backends.model.lora import LORA_TARGETS, LoraSpec, resolve_targets
@@ -191,6 +191,7 @@ class EngineConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    vision: Any = None  # a backends.model.vision.VLConfig: a vision-language policy (model is then its decoder)
     seed: int = 0
     max_token_len_per_gpu: int | None = None  # token budget per micro-batch, checked again by the engine
     dist_timeout_s: float | None = None  # timeout of every process group the engine creates; None = torch's default

@@ -112,13 +112,14 @@ def load_full_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def load_hf_shards(model, path: str, skip: tuple[str, ...] = (), *, convert=None) -> int:
+def load_hf_shards(model, path: str, skip: tuple[str, ...] = (), *, convert=None, rename=None) -> int:
     """Fill ``model`` (fully sharded, materialised with ``to_empty``) from the Hugging Face checkpoint ``path``.
 
     Each rank reads only its own rows of each parameter from the safetensors files (one file or a sharded
     ``model.safetensors.index.json``), so no rank ever holds the full model. Names, shapes and missing or unexpected
     weights are checked against the config from the file headers before any data is read (``convert``: the checker
-    and name map of the folder's kind, default :func:`backends.model.hf.convert_hf_state_dict` of a causal LM).
+    and name map of the folder's kind, default :func:`backends.model.hf.convert_hf_state_dict` of a causal LM;
+    ``rename``: a folder name to the model's, when it is not the causal LM's).
     Returns the number of bytes this rank read. ``skip``: parameters of ``model`` that no checkpoint holds (a
     critic's value head), left for the caller to fill.
     """
@@ -132,8 +133,9 @@ def load_hf_shards(model, path: str, skip: tuple[str, ...] = (), *, convert=None
     (convert or convert_hf_state_dict)(headers, cfg)  # missing / unexpected / misshapen, named, before any data
     # adapters start from the seed; a critic's head is filled by its caller (skip)
     params = {n: p for n, p in model.named_parameters() if n not in skip and not is_adapter_name(n)}
-    # project name -> the folder's name (the decoder sits under "model."; heads at the top level)
-    hf_names = {(h[len("model."):] if h.startswith("model.") else h): h for h in folder.names()}
+    # project name -> the folder's name (``rename``; default: the decoder under "model.", heads at the top level)
+    rename = rename or (lambda h: h[len("model."):] if h.startswith("model.") else h)
+    hf_names = {rename(h): h for h in folder.names()}
     unknown = sorted(set(params) - set(hf_names))
     if unknown:
         raise CheckpointError(f"parameters {unknown[:6]} have no weight in a Hugging Face checkpoint; pass them as "

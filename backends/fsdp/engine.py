@@ -113,7 +113,9 @@ class FSDPEngine(Engine):
         With ``actor.lora.rank`` > 0 the target projections get adapters before sharding (FSDP2 shards the frozen
         base and the adapters alike), drawn from the seed after sharding, each rank its own rows.
         """
-        cfg, lora = self.config.model, self.config.lora
+        cfg, lora, vl = self.config.model, self.config.lora, self.config.vision
+        if vl is not None:
+            return self._build_vl_model(mp)
         if cfg.hf_path:
             check_hf_config(cfg)
             with torch.device("meta"):
@@ -131,6 +133,29 @@ class FSDPEngine(Engine):
             ckpt.load_hf_shards(model, cfg.hf_path)
         if lora.enabled:
             init_adapters(model, self.config.seed)
+        return model
+
+    def _build_vl_model(self, mp: MixedPrecisionPolicy):
+        """A vision-language policy (:class:`backends.model.vision.VLModel`) from its folder: each vision block and
+        decoder layer sharded, each rank reading its own rows. Ulysses SP and LoRA are not built for it."""
+        from backends.model.vision import VLModel, vl_name, vl_state_dict
+
+        vl = self.config.vision
+        if self.sp_size > 1 or self.config.lora.enabled:
+            raise ValueError("a vision-language policy runs without actor.fsdp.ulysses_sp and actor.lora so far; "
+                             "set actor.fsdp.ulysses_sp=1 and actor.lora.rank=0")
+        if not vl.text.hf_path:
+            raise ValueError("a vision-language policy starts from its Hugging Face folder (model.hf_path)")
+        with torch.device("meta"):
+            model = VLModel(vl)
+        model.activation_checkpointing = bool(self.config.fsdp.activation_checkpointing)
+        for block in model.visual.blocks:
+            fully_shard(block, mesh=self.fsdp_mesh, mp_policy=mp)
+        for layer in model.layers:
+            fully_shard(layer, mesh=self.fsdp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=self.fsdp_mesh, mp_policy=mp)
+        model.to_empty(device=self.device)
+        ckpt.load_hf_shards(model, vl.text.hf_path, convert=lambda sd, _: vl_state_dict(sd, vl), rename=vl_name)
         return model
 
     # ---- topology -------------------------------------------------------------------------------------------
@@ -169,9 +194,12 @@ class FSDPEngine(Engine):
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         cu_cpu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
         cu = cu_cpu.to(self.device)
+        images = {}
+        if self.config.vision is not None:  # [3, T] multimodal positions; the micro-batch's images in sample order
+            pos, images = self._vl_inputs(view, mb)
         if self.sp_size == 1:
             lpos, tpos = response_logit_positions(cu_cpu, rls)
-            logits = self.model(ids, pos, cu, logits_positions=lpos.to(self.device))  # response positions only
+            logits = self.model(ids, pos, cu, logits_positions=lpos.to(self.device), **images)  # responses only
             targets = ids.index_select(0, tpos.to(self.device))
             if with_entropy and not entropy_grad:
                 lp, _ = logprobs_of_targets(logits, targets, temperature, False)
@@ -196,6 +224,21 @@ class FSDPEngine(Engine):
             ent_local = torch.logsumexp(zz, -1) - (zz.softmax(-1) * zz).sum(-1)
             ent = gather_seq(ent_local, self.sp_group)[:total].index_select(0, idx)
         return lp, ent
+
+    def _vl_inputs(self, view: ShareView, mb: list[int]) -> tuple[torch.Tensor, dict]:
+        """A vision-language micro-batch's [3, T] positions and its images (pixel_values, image_grid_thw) in
+        sample order; a sample without images contributes text positions only."""
+        from backends.model.vision import packed_mrope_positions
+
+        vl = self.config.vision
+        grids = [view.image_grid_thw[i] for i in mb] if view.image_grid_thw is not None else [None] * len(mb)
+        pos = packed_mrope_positions([view.input_ids[i] for i in mb], grids, vl.image_token_id,
+                                     vl.vision.spatial_merge_size).to(self.device)
+        with_images = [i for i, g in zip(mb, grids) if g is not None and g.numel()]
+        if not with_images:
+            return pos, {}
+        return pos, {"pixel_values": torch.cat([view.pixel_values[i] for i in with_images]).to(self.device),
+                     "image_grid_thw": torch.cat([view.image_grid_thw[i] for i in with_images])}
 
     def _padded(self, rows: list[torch.Tensor], dtype=torch.float32) -> torch.Tensor:
         """Right-padded [m, L] of the rows, built on the host and copied to the device once."""

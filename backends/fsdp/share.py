@@ -9,7 +9,7 @@ from protocol.fields import INFER_INPUT_FIELDS, TRAIN_INPUT_FIELDS
 
 from backends.base import Share
 
-__all__ = ["ShareView", "read_share", "ShareError"]
+__all__ = ["ShareView", "read_share", "ShareError", "PIXELS", "GRIDS"]
 
 TRAIN_FIELDS = TRAIN_INPUT_FIELDS
 INFER_FIELDS = INFER_INPUT_FIELDS
@@ -34,6 +34,9 @@ class ShareView:
     rollout_is_weights: list[torch.Tensor] | None = None
     is_padding: torch.Tensor | None = None
     extra: dict[str, list[torch.Tensor]] | None = None  # the per-response fields asked for by name (``fields=``)
+    # a vision-language share: each sample's patches [N_i, patch_dim] and image grids [k_i, 3] (k_i may be 0)
+    pixel_values: list[torch.Tensor] | None = None
+    image_grid_thw: list[torch.Tensor] | None = None
 
 
 def _rows(data, name: str, n: int) -> list[torch.Tensor]:
@@ -55,6 +58,29 @@ def _rows(data, name: str, n: int) -> list[torch.Tensor]:
         if r.dim() != 1:
             raise ShareError(f"share field {name!r} sample {i} must be 1-D, got shape {tuple(r.shape)}")
     return rows
+
+
+#: a vision-language share's fields: per sample, its images' patches flattened ([N_i * patch_dim]) and their grids
+#: flattened ([k_i * 3], t, h, w per image), the processor's ``pixel_values`` / ``image_grid_thw`` cut by sample
+PIXELS, GRIDS = "multi_modal_inputs.pixel_values", "multi_modal_inputs.image_grid_thw"
+
+
+def _read_images(view: ShareView, data, n: int) -> None:
+    if PIXELS not in data.keys() or GRIDS not in data.keys():
+        raise ShareError(f"a share with images needs both {PIXELS!r} and {GRIDS!r}")
+    pixels, grids = _rows(data, PIXELS, n), _rows(data, GRIDS, n)
+    view.pixel_values, view.image_grid_thw = [], []
+    for i, (p, g) in enumerate(zip(pixels, grids)):
+        if g.numel() % 3 or g.is_floating_point():
+            raise ShareError(f"{GRIDS} sample {i} must hold integer (t, h, w) triples, got {g.numel()} values "
+                             f"of {g.dtype}")
+        g = g.view(-1, 3).long()
+        patches = int(g.prod(-1).sum())
+        if (patches == 0) != (p.numel() == 0) or (patches and p.numel() % patches):
+            raise ShareError(f"{PIXELS} sample {i} has {p.numel()} values for {patches} patches "
+                             f"(image_grid_thw {g.tolist()})")
+        view.pixel_values.append(p.view(patches, -1) if patches else p.view(0, 0))
+        view.image_grid_thw.append(g)
 
 
 def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_tokens: int | None = None,
@@ -99,6 +125,8 @@ def read_share(share: Share, *, train: bool, use_kl_loss: bool = False, max_toke
             view.extra = {**(view.extra or {}), name: rows}
         else:
             setattr(view, name, rows)
+    if PIXELS in present or GRIDS in present:
+        _read_images(view, data, n)
     if "is_padding" in present:
         pad = data.get("is_padding")
         if not isinstance(pad, torch.Tensor) or pad.is_nested or tuple(pad.shape) != (n,):

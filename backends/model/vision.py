@@ -32,7 +32,8 @@ from backends.model.hf import HFCheckpointError, check_weights, config_from_hf, 
 from backends.model.llama import AttentionFn, LlamaModel, RMSNorm, apply_rotary, rope_inv_freq
 
 __all__ = ["VisionConfig", "VLConfig", "VisionTower", "VLModel", "patch_positions", "frame_cu_seqlens",
-           "window_order", "mrope_positions", "mrope_cos_sin", "read_vl_config", "vl_state_dict", "load_vl_checkpoint"]
+           "window_order", "mrope_positions", "mrope_cos_sin", "read_vl_config", "vl_name", "vl_state_dict", "load_vl_checkpoint",
+           "packed_mrope_positions"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,15 @@ def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grid_thw: torc
     if g != len(grids):
         raise ValueError(f"the sequence has image tokens for {g} of its {len(grids)} images")
     return out
+
+
+def packed_mrope_positions(rows: list[torch.Tensor], grids: list[torch.Tensor | None], image_token_id: int,
+                           merge: int) -> torch.Tensor:
+    """[3, T] positions of a packed batch: each sequence's :func:`mrope_positions` (its own images' grids, or
+    none), concatenated."""
+    return torch.cat([mrope_positions(ids, image_token_id,
+                                      g if g is not None else torch.zeros(0, 3, dtype=torch.long), merge)
+                      for ids, g in zip(rows, grids)], dim=1)
 
 
 def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, int, int],
@@ -409,17 +419,19 @@ def read_vl_config(path: str) -> VLConfig:
     return VLConfig(text=tcfg, vision=vcfg, image_token_id=int(raw["image_token_id"]), mrope_section=section)
 
 
+def vl_name(name: str) -> str:
+    """transformers' weight name (``model.language_model.*``, ``model.visual.*``, ``lm_head``; or the older
+    ``model.*`` / ``visual.*``) as :class:`VLModel` names it."""
+    for old, new in (("model.language_model.", ""), ("model.visual.", "visual."), ("visual.", "visual."),
+                     ("model.", "")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def vl_state_dict(sd: Mapping[str, torch.Tensor], cfg: VLConfig) -> dict[str, torch.Tensor]:
-    """transformers' ``Qwen2VLForConditionalGeneration`` names (``model.language_model.*``, ``model.visual.*``,
-    ``lm_head``; or the older ``model.*`` / ``visual.*``) to :class:`VLModel`'s, every weight checked."""
-    out = {}
-    for name, t in sd.items():
-        for old, new in (("model.language_model.", ""), ("model.visual.", "visual."), ("visual.", "visual."),
-                         ("model.", "")):
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        out[name] = t
+    """A vision-language folder's weights in :class:`VLModel`'s names (:func:`vl_name`), every weight checked."""
+    out = {vl_name(name): t for name, t in sd.items()}
     with torch.device("meta"):
         want = {n: tuple(p.shape) for n, p in VLModel(cfg).named_parameters()}
     check_weights(out, want, f"the qwen2_vl checkpoint {cfg.text.hf_path}", HFCheckpointError)

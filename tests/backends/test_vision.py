@@ -137,3 +137,76 @@ def test_windows_are_transformers_window_index(grids, units):
     perm, cu = window_order(g, 2, units)
     want_perm, want_cu = get_vision_window_index(g, spatial_merge_size=2, window_size=units * 2 * 2, patch_size=2)
     assert torch.equal(perm, want_perm) and torch.equal(cu, want_cu)
+
+
+def _vl_share(ours, cases, pad: bool):
+    """A Share of sequences (prompt + 3 response tokens) with their images, in the engine's fields; a padding
+    sample (one text sequence) last when ``pad``."""
+    from tensordict import TensorDict
+
+    from backends.fsdp.share import GRIDS, PIXELS
+    from protocol.batch.nested import to_nested
+
+    gen = torch.Generator().manual_seed(2)
+    ids, masks, pixels, grids = [], [], [], []
+    for text, g in cases + ([([3, 4, 5, 6], [])] if pad else []):
+        seq = torch.tensor(_sequence(text, g) + [20, 21, 22])
+        n = int(sum(t * h * w for t, h, w in g))
+        ids.append(seq)
+        masks.append(torch.ones(3, dtype=torch.long))
+        pixels.append(torch.randn(n * ours.vl.vision.patch_dim, generator=gen))
+        grids.append(torch.tensor(g, dtype=torch.long).reshape(-1))
+    data = TensorDict({"input_ids": to_nested(ids), "response_mask": to_nested(masks), PIXELS: to_nested(pixels),
+                       GRIDS: to_nested(grids), "is_padding": torch.tensor([False] * len(cases) + [True] * pad)},
+                      batch_size=[len(ids)])
+    return data, ids, pixels, grids
+
+
+def test_fsdp_engine_log_probs_with_images_equal_the_model_for_any_micro_batch_split(tmp_path):
+    """The FSDP engine (one rank) on a Qwen2.5-VL folder: log-probs of a share mixing 2, 1 and 0 images and a
+    padding sample equal the model's for each sequence on its own, whatever the micro-batch split; one training
+    step moves the vision tower too (its gradients come through the image features)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from backends.base import Share
+    from backends.config import EngineConfig, OptimConfig
+    from backends.fsdp.engine import FSDPEngine
+
+    _tiny_vl(tmp_path / "vl", family="qwen2_5_vl")
+    ours = load_vl_checkpoint(str(tmp_path / "vl"))
+    cases = [([5, 6, 7, 8, 9], [(1, 2, 6), (1, 6, 4)]), ([10, 11, 12], [(1, 4, 4)]), ([13, 14, 15, 16], [])]
+    data, ids, pixels, grids = _vl_share(ours, cases, pad=True)
+    want = []
+    with torch.no_grad():
+        for seq, p, g in zip(ids, pixels, grids):
+            g = g.view(-1, 3)
+            images = dict(pixel_values=p.view(-1, ours.vl.vision.patch_dim), image_grid_thw=g) if g.numel() else {}
+            logits = ours(seq, mrope_positions(seq, IMAGE, g, 2), torch.tensor([0, len(seq)], dtype=torch.int32),
+                          **images)
+            want.append(torch.log_softmax(logits[-4:-1].double(), -1).gather(1, seq[-3:, None]).squeeze(1).float())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cfg = EngineConfig(model=ours.vl.text, vision=ours.vl, optim=OptimConfig(name="sgd", lr=0.5))
+        eng = FSDPEngine(cfg)
+        for split in ([[0, 1, 2, 3]], [[0], [1], [2], [3]], [[3, 1], [0, 2]]):
+            got = eng.infer_batch(Share(data, split))["log_probs"].unbind()
+            for i in range(3):
+                torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+        before = {n: p.detach().full_tensor().clone() for n, p in eng.model.named_parameters()}
+        train = data.clone()
+        train["old_log_probs"] = eng.infer_batch(Share(data, [[0, 1, 2, 3]]))["log_probs"]
+        from protocol.batch.nested import to_nested
+        train["advantages"] = to_nested([torch.full((3,), a) for a in (1.0, -1.0, 0.5, 0.0)])
+        metrics = eng.train_batch(Share(train, [[0, 1], [2, 3]]))
+        after = {n: p.detach().full_tensor() for n, p in eng.model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert torch.isfinite(torch.tensor(metrics["pg_loss"])) and metrics["grad_norm"] > 0
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert any(n.startswith("visual.blocks.0.") for n in moved) and any(n.startswith("layers.0.") for n in moved)
+    assert "visual.merger.mlp.2.weight" in moved
