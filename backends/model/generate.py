@@ -63,17 +63,38 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        # a row's rotary position minus its cache slot: 0 for text, the images' M-RoPE offset for a
+        # vision-language prompt (an image of h x w merged units takes max(h, w) positions for its h * w tokens)
+        self.delta = torch.zeros(batch, dtype=torch.long, device=device)
 
 
-def _prefill(model: LlamaModel, prompts: list[list[int]], cache: KVCache, device) -> torch.Tensor:
-    """Run the packed prompts, filling the cache; return the logits at each prompt's last position [B, V]."""
+def _prefill(model: LlamaModel, prompts: list[list[int]], cache: KVCache, device,
+             images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
+    """Run the packed prompts, filling the cache; return the logits at each prompt's last position [B, V].
+    ``images`` (a vision-language model): each prompt's ``(pixel_values, image_grid_thw)``, or None."""
     lens = [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(n, device=device) for n in lens])
     cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
     rows = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
-    x = model.embed_tokens(ids)
-    cos, sin = model.rotary(pos, x.dtype)
+    if hasattr(model, "visual"):  # multimodal positions [3, T]; the images' features at their tokens
+        from backends.model.vision import packed_mrope_positions
+
+        images = images or [None] * len(prompts)
+        seqs = [torch.tensor(p) for p in prompts]
+        rope = packed_mrope_positions(seqs, [im[1] if im else None for im in images], model.vl.image_token_id,
+                                      model.vl.vision.spatial_merge_size).to(device)
+        with_images = [im for im in images if im is not None]
+        x = model.embed(ids, torch.cat([im[0] for im in with_images]).to(device) if with_images else None,
+                        torch.cat([im[1] for im in with_images]) if with_images else None)
+        cache.delta = torch.stack([rope[:, a:b].max() + 1 - (b - a) for a, b in zip(cu[:-1].tolist(),
+                                                                                      cu[1:].tolist())])
+        cos, sin = model.rotary(rope, x.dtype)
+    else:
+        if images is not None and any(im is not None for im in images):
+            raise ValueError("images given to a model without a vision tower")
+        x = model.embed_tokens(ids)
+        cos, sin = model.rotary(pos, x.dtype)
     for li, layer in enumerate(model.layers):
         att = layer.self_attn
         q, k, v = att.project(layer.input_layernorm(x), cos, sin)
@@ -93,7 +114,8 @@ def _decode(model: LlamaModel, tokens: torch.Tensor, cache: KVCache) -> torch.Te
     pos = cache.lengths
     rows = torch.arange(B, device=tokens.device)
     x = model.embed_tokens(tokens)
-    cos, sin = model.rotary(pos, x.dtype)
+    rope = pos + cache.delta
+    cos, sin = model.rotary(rope.expand(3, -1) if hasattr(model, "visual") else rope, x.dtype)
     # only the filled prefix: the positions past the longest row are masked for every row anyway
     width = int(pos.max()) + 1
     visible = (torch.arange(width, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,W]
@@ -114,10 +136,12 @@ def _decode(model: LlamaModel, tokens: torch.Tensor, cache: KVCache) -> torch.Te
 @torch.no_grad()
 def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, eos_token_id: int | Collection[int] | None = None, seed: int | None = None,
-             generator: torch.Generator | None = None, use_cache: bool = True
+             generator: torch.Generator | None = None, use_cache: bool = True,
+             images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
              ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample continuations for every prompt at once: a KV-cached decode (or, with ``use_cache=False``, a packed
-    forward over everything each step).
+    forward over everything each step). ``images``: a vision-language model's ``(pixel_values, image_grid_thw)``
+    per prompt (None for a prompt without images); cached decoding only.
 
     Returns (response token lists, log-prob lists); a response stops after any of ``eos_token_id`` (one id or
     several, e.g. ``<|im_end|>`` and ``<|endoftext|>``; the stop token is kept) or at ``max_new_tokens``.
@@ -143,9 +167,12 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, t
     outs: list[list[int]] = [[] for _ in prompts]
     lps: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
+    if images is not None and not use_cache:
+        raise ValueError("generation with images runs the KV-cached decode (use_cache=True)")
     if use_cache and prompts and max_new_tokens > 0:
         try:
-            return _generate_cached(model, prompts, max_new_tokens, temperature, top_p, stops, generator, device)
+            return _generate_cached(model, prompts, max_new_tokens, temperature, top_p, stops, generator, device,
+                                    images)
         finally:
             model.train(was_training)
     try:
@@ -183,11 +210,11 @@ def _stop_set(eos_token_id: int | Collection[int] | None) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _generate_cached(model, prompts, max_new_tokens, temperature, top_p, stops, generator, device):
+def _generate_cached(model, prompts, max_new_tokens, temperature, top_p, stops, generator, device, images=None):
     dtype = next(model.parameters()).dtype
     cap = max(len(p) for p in prompts) + max_new_tokens
     cache = KVCache(model, len(prompts), cap, device, dtype)
-    logits = _prefill(model, prompts, cache, device)
+    logits = _prefill(model, prompts, cache, device, images)
     outs: list[list[int]] = [[] for _ in prompts]
     lps: list[list[float]] = [[] for _ in prompts]
     done = [False] * len(prompts)

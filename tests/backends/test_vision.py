@@ -210,3 +210,38 @@ def test_fsdp_engine_log_probs_with_images_equal_the_model_for_any_micro_batch_s
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert any(n.startswith("visual.blocks.0.") for n in moved) and any(n.startswith("layers.0.") for n in moved)
     assert "visual.merger.mlp.2.weight" in moved
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_greedy_generation_with_images_equals_transformers_generate(tmp_path, family):
+    """The KV-cached sampler, prompts with 2, 1 and 0 images decoded together: each prompt's greedy tokens are
+    transformers' ``generate`` on that prompt alone (its text positions after the images continue from the images'
+    M-RoPE offset), and the sampled tokens' log-probs are the model's recompute of the whole sequence."""
+    from backends.model.generate import generate
+
+    theirs = _tiny_vl(tmp_path / "vl", family=family)
+    ours = load_vl_checkpoint(str(tmp_path / "vl"))
+    gen = torch.Generator().manual_seed(3)
+    cases = [([5, 6, 7, 8, 9], [(1, 2, 6), (1, 6, 4)]), ([10, 11, 12], [(1, 4, 4)]), ([13, 14, 15, 16], [])]
+    prompts, images = [], []
+    for text, grids in cases:
+        g = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        n = int(sum(t * h * w for t, h, w in grids))
+        prompts.append(_sequence(text, grids))
+        images.append((torch.randn(n, ours.vl.vision.patch_dim, generator=gen), g) if grids else None)
+    outs, lps = generate(ours, prompts, max_new_tokens=8, temperature=0.0, images=images)
+    for prompt, im, out, lp in zip(prompts, images, outs, lps):
+        ids = torch.tensor([prompt])
+        kwargs = dict(pixel_values=im[0], image_grid_thw=im[1], mm_token_type_ids=(ids == IMAGE).int()) if im else {}
+        with torch.no_grad():
+            want = theirs.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                   **kwargs)[0, len(prompt):].tolist()
+        assert out == want, (out, want)
+        seq = torch.tensor(prompt + out)
+        g = im[1] if im else torch.zeros(0, 3, dtype=torch.long)
+        extra = dict(pixel_values=im[0], image_grid_thw=im[1]) if im else {}
+        with torch.no_grad():
+            logits = ours(seq, mrope_positions(seq, IMAGE, g, 2), torch.tensor([0, len(seq)], dtype=torch.int32),
+                          **extra)
+        recompute = torch.log_softmax(logits[len(prompt) - 1:-1].double(), -1).gather(1, torch.tensor(out)[:, None])
+        torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), recompute.squeeze(1), rtol=1e-5, atol=1e-5)
