@@ -253,14 +253,34 @@ class PlanTags:
     names: list[str]  # the key of each sample (or '#i'), for errors
     groups: list[str | None]  # the uid of each real sample, when it can be told
     need_groups: bool
+    #: per sample, the patch counts of its images' vision-attention spans (tag ``vision_spans``; empty: none)
+    vision_spans: list[list[int]] | None = None
 
 
 def read_plan_tags(tags: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None, *,
                    need_groups: bool = True) -> PlanTags:
     """Validate and read the tags :func:`build_plan` plans from (``need_groups``: every real sample's group must
     be known, as ``group_partition`` needs)."""
-    seq, pad, names, groups = _read_tags(list(tags), keys, need_groups)
-    return PlanTags(seq, pad, names, groups, need_groups)
+    tags = list(tags)
+    seq, pad, names, groups = _read_tags(tags, keys, need_groups)
+    return PlanTags(seq, pad, names, groups, need_groups, _vision_spans(tags, pad, names))
+
+
+def _vision_spans(tags: list, pad: np.ndarray, names: list[str]) -> list[list[int]] | None:
+    """Each sample's ``vision_spans`` tag (None when no sample has one); a padding sample carries no images."""
+    spans = [t.get("vision_spans") if isinstance(t, Mapping) else None for t in tags]
+    if all(s is None for s in spans):
+        return None
+    out = []
+    for i, s in enumerate(spans):
+        s = [] if s is None else s
+        if not isinstance(s, (list, tuple)) or any(isinstance(p, bool) or not isinstance(p, (int, np.integer))
+                                                   or p < 1 for p in s):
+            raise PlanError(f"tag of {names[i]!r}: vision_spans must be a list of positive patch counts, got {s!r}")
+        if pad[i] and s:
+            raise PlanError(f"tag of {names[i]!r}: a padding sample carries no images (vision_spans {list(s)})")
+        out.append([int(p) for p in s])
+    return out
 
 
 def _sums(values: np.ndarray, parts: Sequence[Sequence[int]]) -> np.ndarray:
@@ -415,6 +435,8 @@ class PlanJob:
                             f"{-n % multiple} padding samples (dispatch.make_padding) first")
         self.topology, self.settings, self.seq, self.pad, self.names = topology, settings, seq, pad, names
         self.work = settings.workload(seq)
+        if tags.vision_spans is not None:  # the vision tower's cost of each sample's images
+            self.work = self.work + settings.workload.vision(tags.vision_spans)
         self.units = _units(pad, tags.groups, settings)
         self.unit_w = _sums(self.work, self.units)
         per_mini = len(self.units) if settings.mini_batch_samples is None else (

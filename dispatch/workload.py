@@ -31,12 +31,24 @@ class WorkloadError(ValueError):
 
 @dataclass(frozen=True)
 class WorkloadModel:
-    """``workload(seq_len) = linear·seq_len + quadratic·seq_len²``; defaults are those of hidden size 4096."""
+    """``workload(seq_len) = linear·seq_len + quadratic·seq_len²``; defaults are those of hidden size 4096.
+
+    A vision-language policy adds its vision tower's cost per image: ``vision_linear·p + vision_quadratic·p²`` for
+    each attention span of ``p`` patches (a frame, or a Qwen2.5-VL window), in the same units as the decoder's
+    terms (already scaled by the ratio of vision blocks to decoder layers; see :meth:`with_vision`). Image tokens
+    are part of ``seq_len``: the decoder's cost of them is in the first two terms."""
 
     linear: float = 24.0 * DEFAULT_HIDDEN_SIZE ** 2
     quadratic: float = 4.0 * DEFAULT_HIDDEN_SIZE
+    vision_linear: float = 0.0
+    vision_quadratic: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("vision_linear", "vision_quadratic"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
+                raise WorkloadError(f"workload.{name} must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
         for name in ("linear", "quadratic"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
@@ -66,6 +78,33 @@ class WorkloadModel:
         if get("hidden_size") is not None:
             return cls.from_hidden_size(get("hidden_size"))
         raise WorkloadError(f"workload config needs hidden_size or linear/quadratic, got {cfg!r}")
+
+    def with_vision(self, *, width: int, mlp_matrices: int, mlp_width: int, blocks: int, decoder_layers: int
+                    ) -> "WorkloadModel":
+        """This model plus a vision tower of ``blocks`` blocks of ``width`` (``mlp_matrices`` MLP matrices of
+        ``width x mlp_width``: 2 for Qwen2-VL's, 3 for a SwiGLU) beside ``decoder_layers`` decoder layers: per
+        patch ``2·(4·width² + mlp_matrices·width·mlp_width)`` FLOPs, per span of p patches ``4·width·p²``, both
+        scaled by ``blocks / decoder_layers`` (the decoder's terms count one layer)."""
+        for name, v in (("width", width), ("mlp_matrices", mlp_matrices), ("mlp_width", mlp_width),
+                        ("blocks", blocks), ("decoder_layers", decoder_layers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise WorkloadError(f"with_vision: {name} must be a positive int, got {v!r}")
+        ratio = blocks / decoder_layers
+        return WorkloadModel(self.linear, self.quadratic,
+                             vision_linear=ratio * 2.0 * (4 * width ** 2 + mlp_matrices * width * mlp_width),
+                             vision_quadratic=ratio * 4.0 * width)
+
+    def vision(self, spans: Sequence[Sequence[int]]) -> np.ndarray:
+        """The vision tower's cost of each sample (float64 [n]): ``spans[i]`` are the patch counts of sample i's
+        attention spans (empty: no images)."""
+        out = np.zeros(len(spans), dtype=np.float64)
+        for i, ps in enumerate(spans):
+            if len(ps):
+                p = np.asarray(ps, dtype=np.float64)
+                if not np.all(np.isfinite(p)) or p.min() < 0:
+                    raise WorkloadError(f"sample {i}: patch counts must be finite and >= 0, got {list(ps)}")
+                out[i] = float(np.sum(self.vision_linear * p + self.vision_quadratic * p * p))
+        return out
 
     def __call__(self, seq_lens: Sequence[int] | np.ndarray) -> np.ndarray:
         """Workload of each sequence length (float64 array)."""
