@@ -33,6 +33,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from protocol.rollout.images import ImageError
+
 __all__ = ["DatasetError", "RLHFDataset", "read_rows", "ground_truth_of", "collate_rows", "PromptSampler",
            "PromptLoader"]
 
@@ -188,12 +190,16 @@ class RLHFDataset:
         needs_ground_truth: ``data_source -> bool`` (the reward's view: whether its scorer needs a ground truth;
             raises ValueError / KeyError for a data source without a scorer). None: data sources are not checked
             (a custom reward function scores every row).
+        processor: a :class:`~protocol.rollout.images.VisionProcessor` (a vision-language policy): every row's
+            images are opened and processed at load (a missing or unreadable one is an error naming the file and
+            row), its ``<image>`` placeholders must match them, and its length counts the image tokens; a row
+            then comes with ``prompt_ids`` and ``multi_modal_inputs`` (``pixel_values``, ``image_grid_thw``).
     """
 
     def __init__(self, files: str | Sequence[str], tokenizer: Any, max_prompt_length: int,
                  prompt_key: str = "prompt", filter_overlong_prompts: bool = True,
                  default_data_source: str | None = None, max_samples: int | None = None,
-                 needs_ground_truth: Callable[[str], bool] | None = None) -> None:
+                 needs_ground_truth: Callable[[str], bool] | None = None, processor: Any = None) -> None:
         if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1:
             raise DatasetError(f"data.max_prompt_length must be a positive int, got {max_prompt_length!r}")
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
@@ -207,6 +213,7 @@ class RLHFDataset:
             raise DatasetError(f"data.prompt_key must name a column, got {prompt_key!r}")
         self.prompt_key = prompt_key
         self.needs_ground_truth = needs_ground_truth
+        self.processor = processor
         self._needs: dict[str, bool] = {}
         self.rows: list[dict] = []
         self.prompt_lengths: list[int] = []
@@ -215,7 +222,12 @@ class RLHFDataset:
             where = f"{path}: {pos}"
             row, column = self._normalize(raw, where, global_index, default_data_source)
             try:
-                length = len(tokenizer.apply_chat_template(row["raw_prompt"], add_generation_prompt=True))
+                if processor is not None:
+                    length = len(self._process(row, where)[0])
+                else:
+                    length = len(tokenizer.apply_chat_template(row["raw_prompt"], add_generation_prompt=True))
+            except ImageError as exc:  # it names the file and row already
+                raise DatasetError(str(exc)) from None
             except (ValueError, TypeError, KeyError) as exc:
                 raise DatasetError(f"{where}: the chat template rejects column {column!r}: {exc}") from None
             if length > max_prompt_length:
@@ -303,6 +315,16 @@ class RLHFDataset:
             raise DatasetError(f"{where}: column 'reward_model.ground_truth' is missing ({found}); the scorer of "
                                f"data_source {source!r} compares the response against it")
 
+    def _process(self, row: Mapping[str, Any], where: str) -> tuple[list[int], dict[str, Any]]:
+        """A vision-language row's prompt ids and processed images (its ``multi_modal_data`` images opened)."""
+        from protocol.rollout.images import open_image
+
+        entries = (row.get("multi_modal_data") or {}).get("image") or []
+        if isinstance(entries, (str, bytes, Mapping)):
+            entries = [entries]
+        images = [open_image(e, f"{where}, images[{i}]") for i, e in enumerate(entries)]
+        return self.processor(row["raw_prompt"], images, where)
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -312,7 +334,10 @@ class RLHFDataset:
             raise TypeError(f"RLHFDataset index must be an int, got {type(index).__name__}")
         if not -len(self.rows) <= index < len(self.rows):
             raise IndexError(f"RLHFDataset index {index} out of range for {len(self.rows)} rows")
-        return copy.deepcopy(self.rows[int(index)])
+        row = copy.deepcopy(self.rows[int(index)])
+        if self.processor is not None:  # processed again here: the pixels are not kept for every row at load
+            row["prompt_ids"], row["multi_modal_inputs"] = self._process(row, f"row {index}")
+        return row
 
 
 def collate_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["ImageError", "IMAGE_PLACEHOLDER", "open_image", "row_images", "count_placeholders",
-           "replace_placeholders", "image_token_counts", "expand_image_tokens"]
+           "replace_placeholders", "image_token_counts", "expand_image_tokens", "VisionProcessor"]
 
 #: how a verl-format prompt marks where an image goes
 IMAGE_PLACEHOLDER = "<image>"
@@ -103,3 +103,30 @@ def expand_image_tokens(ids: Sequence[int], pad_id: int, counts: Sequence[int]) 
     for t in ids:
         out.extend([t] * next(it) if t == pad_id else [t])
     return out
+
+
+class VisionProcessor:
+    """A row's prompt and images as a Qwen2-VL-family policy reads them: ``__call__(messages, images, where)`` gives
+    the prompt's token ids (``<image>`` placeholders as vision-start, one image-pad run per image, vision-end, in
+    the tokenizer's chat template) and ``{"pixel_values", "image_grid_thw"}`` from the model family's image
+    processor (transformers'; ``merge_size`` read from it)."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, *, vision_start: str = "<|vision_start|>",
+                 image_pad: str = "<|image_pad|>", vision_end: str = "<|vision_end|>") -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.vision_text = vision_start + image_pad + vision_end
+        ids = tokenizer.encode(image_pad)
+        if len(ids) != 1:
+            raise ImageError(f"the tokenizer reads {image_pad!r} as {len(ids)} tokens; the vision tokens must be "
+                             "special tokens of the policy's tokenizer")
+        self.pad_id = ids[0]
+        self.merge = int(getattr(image_processor, "merge_size", 2))
+
+    def __call__(self, messages: Any, images: Sequence[Any], where: str) -> tuple[list[int], dict[str, Any]]:
+        msgs = replace_placeholders(messages, self.vision_text, len(images), where)
+        ids = list(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+        if not images:
+            return ids, {}
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        return expand_image_tokens(ids, self.pad_id, image_token_counts(inputs["image_grid_thw"], self.merge)), inputs

@@ -2,9 +2,15 @@
 log-probs of a packed batch mixing sequences with several images, one image and none."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
+import hf_tiny  # noqa: E402
 
 from backends.model.vision import (VLModel, load_vl_checkpoint, mrope_positions, patch_positions,  # noqa: F401
                                    read_vl_config, vl_state_dict)
@@ -12,13 +18,14 @@ from backends.model.vision import (VLModel, load_vl_checkpoint, mrope_positions,
 IMAGE, START, END = 150, 152, 153
 
 
-def _tiny_vl(out, seed: int = 0, scale: float = 2.0, family: str = "qwen2_vl"):
+def _tiny_vl(out, seed: int = 0, scale: float = 2.0, family: str = "qwen2_vl", vocab: int = 160,
+             image: int = IMAGE):
     """A random tiny Qwen2-VL (or Qwen2.5-VL: windows of 2 x 2 merged units, block 1 attending over whole frames)
     saved to ``out`` (matrices ~ normal(0, scale / sqrt(fan_in)), norms near 1: logits far from uniform, so position
     or ordering mistakes show)."""
     import transformers
 
-    text = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    text = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     common = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
@@ -29,7 +36,7 @@ def _tiny_vl(out, seed: int = 0, scale: float = 2.0, family: str = "qwen2_vl"):
         vision = dict(common, hidden_size=16, out_hidden_size=32, intermediate_size=24, window_size=8,
                       fullatt_block_indexes=[1])
         cfg_cls, cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
-    cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=151,
+    cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=image, video_token_id=151,
                   vision_start_token_id=START, vision_end_token_id=END)
     torch.manual_seed(seed)
     model = cls(cfg)
@@ -245,3 +252,39 @@ def test_greedy_generation_with_images_equals_transformers_generate(tmp_path, fa
                           **extra)
         recompute = torch.log_softmax(logits[len(prompt) - 1:-1].double(), -1).gather(1, torch.tensor(out)[:, None])
         torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), recompute.squeeze(1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_processed_row_is_what_transformers_model_reads(tmp_path):
+    """A chat prompt with two ``<image>`` placeholders and two images of different sizes through the project's
+    VisionProcessor (ChatML tokenizer with vision tokens, transformers' Qwen2-VL image processor): transformers'
+    own model accepts the ids and pixels (it checks that the image tokens match the images' features) and its
+    log-probs equal the project's model's on them."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from protocol.rollout.images import VisionProcessor
+    from protocol.rollout.tokenizer import load_tokenizer
+
+    hf = hf_tiny.make_chatml_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    hf.save_pretrained(str(tmp_path / "tok"))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    ip = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2, min_pixels=16, max_pixels=256)
+    proc = VisionProcessor(ip, tok)
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((10, 14), (6, 6))]
+    ids, inputs = proc([{"role": "user", "content": "<image> left, <image> right: which is brighter?"}], images,
+                       "row 0")
+    theirs = _tiny_vl(tmp_path / "vl", family="qwen2_5_vl", vocab=len(hf), image=proc.pad_id)
+    ours = load_vl_checkpoint(str(tmp_path / "vl"))
+    seq = torch.tensor(ids)
+    assert int((seq == proc.pad_id).sum()) == int(inputs["image_grid_thw"].prod(-1).sum()) // 4
+    with torch.no_grad():
+        want = theirs(input_ids=seq[None], pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+                      mm_token_type_ids=(seq == proc.pad_id).int()[None]).logits[0]
+        got = ours(seq, mrope_positions(seq, proc.pad_id, inputs["image_grid_thw"], 2),
+                   torch.tensor([0, len(seq)], dtype=torch.int32), pixel_values=inputs["pixel_values"],
+                   image_grid_thw=inputs["image_grid_thw"])
+    lp = lambda x: torch.log_softmax(x[:-1].double(), -1).gather(1, seq[1:, None])  # noqa: E731
+    torch.testing.assert_close(lp(got), lp(want), rtol=1e-5, atol=1e-5)

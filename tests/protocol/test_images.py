@@ -78,3 +78,62 @@ def test_image_token_counts_are_transformers_processor_counts():
     assert expand_image_tokens([1, 9, 2, 9, 3, 9], 9, want) == \
         [1] + [9] * want[0] + [2] + [9] * want[1] + [3] + [9] * want[2]
     assert torch.equal(grids[:, 0], torch.ones(3, dtype=grids.dtype))  # one frame per image
+
+
+def _vision_processor(tmp_path):
+    import sys
+    from pathlib import Path
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    import hf_tiny
+
+    from protocol.rollout.images import VisionProcessor
+    from protocol.rollout.tokenizer import load_tokenizer
+
+    hf = hf_tiny.make_chatml_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    hf.save_pretrained(str(tmp_path / "tok"))
+    ip = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2, min_pixels=16, max_pixels=256)
+    return VisionProcessor(ip, load_tokenizer(str(tmp_path / "tok")))
+
+
+def test_a_dataset_with_images_is_checked_at_load_and_counts_image_tokens(tmp_path):
+    """Rows with images as bytes and as paths, and a row without: lengths count the image tokens, a row comes with
+    its prompt ids and processed images; a missing file, an unreadable image and a placeholder count that is not
+    the image count each stop the load naming the file and row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from protocol.rollout.dataset import DatasetError, RLHFDataset
+
+    proc = _vision_processor(tmp_path)
+    png = _png(10, 14)
+    (tmp_path / "b.png").write_bytes(_png(6, 6, seed=1))
+    rows = [{"prompt": [{"role": "user", "content": "<image> which colour?"}], "data_source": "d",
+             "images": [{"bytes": png, "path": None}]},
+            {"prompt": [{"role": "user", "content": "<image> vs <image>"}], "data_source": "d",
+             "images": [{"bytes": None, "path": str(tmp_path / "b.png")}, {"bytes": png, "path": None}]},
+            {"prompt": [{"role": "user", "content": "no picture"}], "data_source": "d", "images": None}]
+
+    def load(rs, name):
+        pq.write_table(pa.Table.from_pylist(rs), tmp_path / name)
+        return RLHFDataset(str(tmp_path / name), proc.tokenizer, 512, processor=proc)
+
+    ds = load(rows, "ok.parquet")
+    plain = [len(proc.tokenizer.apply_chat_template(
+        [{"role": "user", "content": r["prompt"][0]["content"].replace("<image>", proc.vision_text)}])) for r in rows]
+    tokens = [int(ds[i]["multi_modal_inputs"]["image_grid_thw"].prod(-1).sum()) // 4 if i < 2 else 0
+              for i in range(3)]
+    assert ds.prompt_lengths == [p - (1 if i == 0 else 2 if i == 1 else 0) + t
+                                 for i, (p, t) in enumerate(zip(plain, tokens))]
+    assert [len(ds[i]["prompt_ids"]) for i in range(3)] == ds.prompt_lengths
+    assert ds[2]["multi_modal_inputs"] == {}
+    bad = [dict(rows[0], images=[{"bytes": None, "path": str(tmp_path / "gone.png")}])]
+    with pytest.raises(DatasetError, match=r"bad.parquet: row 0, images\[0\]: image file '.*gone.png' not found"):
+        load(bad, "bad.parquet")
+    with pytest.raises(DatasetError, match=r"junk.parquet: row 0, images\[0\]: the image \(4 bytes\) cannot be read"):
+        load([dict(rows[0], images=[{"bytes": b"junk", "path": None}])], "junk.parquet")
+    with pytest.raises(DatasetError, match=r"count.parquet: row 0: the prompt has 1 <image> placeholder\(s\) for 2"):
+        load([dict(rows[0], images=[{"bytes": png, "path": None}] * 2)], "count.parquet")
