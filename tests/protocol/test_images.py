@@ -137,3 +137,19 @@ def test_a_dataset_with_images_is_checked_at_load_and_counts_image_tokens(tmp_pa
         load([dict(rows[0], images=[{"bytes": b"junk", "path": None}])], "junk.parquet")
     with pytest.raises(DatasetError, match=r"count.parquet: row 0: the prompt has 1 <image> placeholder\(s\) for 2"):
         load([dict(rows[0], images=[{"bytes": png, "path": None}] * 2)], "count.parquet")
+
+
+def test_the_colors_task_loads_with_its_pictures(tmp_path):
+    """The shipped ``colors`` rows load through a vision processor: one picture each, its image tokens in the
+    prompt ids, the prompt's text the same for every answer."""
+    from protocol.rollout.dataset import RLHFDataset
+    from protocol.rollout.tasks import write_task_data
+
+    proc = _vision_processor(tmp_path)
+    paths = write_task_data(tmp_path / "colors", "colors", train=6, val=2, seed=0)
+    ds = RLHFDataset(str(paths["train"]), proc.tokenizer, 512, processor=proc)
+    for i in range(len(ds)):
+        row = ds[i]
+        grids = row["multi_modal_inputs"]["image_grid_thw"]
+        assert grids.shape == (1, 3)
+        assert row["prompt_ids"].count(proc.pad_id) == int(grids.prod()) // 4
