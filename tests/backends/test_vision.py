@@ -288,3 +288,15 @@ def test_a_processed_row_is_what_transformers_model_reads(tmp_path):
                    image_grid_thw=inputs["image_grid_thw"])
     lp = lambda x: torch.log_softmax(x[:-1].double(), -1).gather(1, seq[1:, None])  # noqa: E731
     torch.testing.assert_close(lp(got), lp(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.dist
+def test_fsdp_engine_with_images_on_two_ranks(torchrun, tmp_path):
+    """DP = 2, each rank its own share (one with 2, 0 and 0 images, one with 1, 1 and a padding sample): every
+    sequence's log-probs are the single-process model's under two micro-batch splits, and a training step leaves
+    both ranks the same weights, the vision tower's moved (tests/dist/vl_engine_worker.py)."""
+    _tiny_vl(tmp_path / "vl", family="qwen2_5_vl")
+    out = torchrun(Path(__file__).resolve().parent.parent / "dist" / "vl_engine_worker.py", 2, str(tmp_path / "vl"),
+                   timeout=300)
+    for check in ("log-probs dp=2", "step dp=2"):
+        assert out.count(check) == 2, out[-3000:]
