@@ -192,6 +192,7 @@ class EngineConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     vision: Any = None  # a backends.model.vision.VLConfig: a vision-language policy (model is then its decoder)
+    freeze_vision_tower: bool = False  # a vision-language policy: train the decoder only (the tower is frozen)
     seed: int = 0
     max_token_len_per_gpu: int | None = None  # token budget per micro-batch, checked again by the engine
     dist_timeout_s: float | None = None  # timeout of every process group the engine creates; None = torch's default

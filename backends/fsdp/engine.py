@@ -156,6 +156,8 @@ class FSDPEngine(Engine):
         fully_shard(model, mesh=self.fsdp_mesh, mp_policy=mp)
         model.to_empty(device=self.device)
         ckpt.load_hf_shards(model, vl.text.hf_path, convert=lambda sd, _: vl_state_dict(sd, vl), rename=vl_name)
+        if self.config.freeze_vision_tower:  # no gradients, optimizer state or snapshots for the tower
+            model.visual.requires_grad_(False)
         return model
 
     # ---- topology -------------------------------------------------------------------------------------------

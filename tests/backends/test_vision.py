@@ -172,7 +172,9 @@ def _vl_share(ours, cases, pad: bool):
 def test_fsdp_engine_log_probs_with_images_equal_the_model_for_any_micro_batch_split(tmp_path):
     """The FSDP engine (one rank) on a Qwen2.5-VL folder: log-probs of a share mixing 2, 1 and 0 images and a
     padding sample equal the model's for each sequence on its own, whatever the micro-batch split; one training
-    step moves the vision tower too (its gradients come through the image features)."""
+    step moves the vision tower too (its gradients come through the image features), and with
+    ``freeze_vision_tower`` the same step moves the decoder only."""
+    import dataclasses
     import socket
 
     import torch.distributed as dist
@@ -211,12 +213,18 @@ def test_fsdp_engine_log_probs_with_images_equal_the_model_for_any_micro_batch_s
         train["advantages"] = to_nested([torch.full((3,), a) for a in (1.0, -1.0, 0.5, 0.0)])
         metrics = eng.train_batch(Share(train, [[0, 1], [2, 3]]))
         after = {n: p.detach().full_tensor() for n, p in eng.model.named_parameters()}
+        frozen = FSDPEngine(dataclasses.replace(cfg, freeze_vision_tower=True))  # the same step, the tower frozen
+        start = {n: p.detach().full_tensor().clone() for n, p in frozen.model.named_parameters()}
+        frozen.train_batch(Share(train, [[0, 1], [2, 3]]))
+        frozen_moved = {n for n, p in frozen.model.named_parameters() if not torch.equal(start[n], p.full_tensor())}
     finally:
         dist.destroy_process_group()
     assert torch.isfinite(torch.tensor(metrics["pg_loss"])) and metrics["grad_norm"] > 0
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert any(n.startswith("visual.blocks.0.") for n in moved) and any(n.startswith("layers.0.") for n in moved)
     assert "visual.merger.mlp.2.weight" in moved
+    assert not {n for n in frozen_moved if n.startswith("visual.")} and any(n.startswith("layers.")
+                                                                         for n in frozen_moved)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
