@@ -47,8 +47,9 @@ def test_shipped_config_by_name_from_any_folder(tmp_path):
 def test_wheel_ships_the_configs_and_the_console_script(tmp_path):
     # built from a copy: a build in the checkout would leave build/ and *.egg-info/ there
     src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "data", "build", "models",
-                                                             "__pycache__", "*.egg-info", ".pytest_cache",
+    # (not the environments: .venv-vllm alone is 3.5 GB)
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", ".venv-*", "runs", "data", "build",
+                                                             "models", "__pycache__", "*.egg-info", ".pytest_cache",
                                                              ".hypothesis"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
