@@ -11,11 +11,11 @@ from hypothesis import given, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
 import hf_tiny  # noqa: E402
+from vl_common import END, IMAGE, START, reference_logprobs, sequence as _sequence, vl_rows  # noqa: E402
 
 from backends.model.vision import (VLModel, load_vl_checkpoint, mrope_positions, patch_positions,  # noqa: F401
                                    read_vl_config, vl_state_dict)
 
-IMAGE, START, END = 150, 152, 153
 
 
 def _tiny_vl(out, seed: int = 0, scale: float = 2.0, family: str = "qwen2_vl", vocab: int = 160,
@@ -50,14 +50,6 @@ def _tiny_vl(out, seed: int = 0, scale: float = 2.0, family: str = "qwen2_vl", v
                 p.copy_(torch.randn(p.shape, generator=gen) * scale / p[0].numel() ** 0.5)
     model.save_pretrained(str(out))
     return model.eval()
-
-
-def _sequence(text: list[int], grids: list[tuple[int, int, int]], merge: int = 2) -> list[int]:
-    """``text`` with each image's <vision_start> image tokens <vision_end> run inserted after its first token."""
-    ids = text[:1]
-    for t, h, w in grids:
-        ids += [START] + [IMAGE] * (t * h * w // merge ** 2) + [END]
-    return ids + text[1:]
 
 
 @given(grids=st.lists(st.tuples(st.integers(1, 2), st.integers(1, 4), st.integers(1, 4)), min_size=1, max_size=3))
@@ -147,22 +139,14 @@ def test_windows_are_transformers_window_index(grids, units):
 
 
 def _vl_share(ours, cases, pad: bool):
-    """A Share of sequences (prompt + 3 response tokens) with their images, in the engine's fields; a padding
-    sample (one text sequence) last when ``pad``."""
+    """A Share's fields for ``cases`` (vl_rows: prompt + 3 response tokens, random pixels); a padding sample (one
+    text sequence) last when ``pad``."""
     from tensordict import TensorDict
 
     from backends.fsdp.share import GRIDS, PIXELS
     from protocol.batch.nested import to_nested
 
-    gen = torch.Generator().manual_seed(2)
-    ids, masks, pixels, grids = [], [], [], []
-    for text, g in cases + ([([3, 4, 5, 6], [])] if pad else []):
-        seq = torch.tensor(_sequence(text, g) + [20, 21, 22])
-        n = int(sum(t * h * w for t, h, w in g))
-        ids.append(seq)
-        masks.append(torch.ones(3, dtype=torch.long))
-        pixels.append(torch.randn(n * ours.vl.vision.patch_dim, generator=gen))
-        grids.append(torch.tensor(g, dtype=torch.long).reshape(-1))
+    ids, masks, pixels, grids = vl_rows(ours.vl.vision.patch_dim, cases + ([([3, 4, 5, 6], [])] if pad else []))
     data = TensorDict({"input_ids": to_nested(ids), "response_mask": to_nested(masks), PIXELS: to_nested(pixels),
                        GRIDS: to_nested(grids), "is_padding": torch.tensor([False] * len(cases) + [True] * pad)},
                       batch_size=[len(ids)])
@@ -187,14 +171,7 @@ def test_fsdp_engine_log_probs_with_images_equal_the_model_for_any_micro_batch_s
     ours = load_vl_checkpoint(str(tmp_path / "vl"))
     cases = [([5, 6, 7, 8, 9], [(1, 2, 6), (1, 6, 4)]), ([10, 11, 12], [(1, 4, 4)]), ([13, 14, 15, 16], [])]
     data, ids, pixels, grids = _vl_share(ours, cases, pad=True)
-    want = []
-    with torch.no_grad():
-        for seq, p, g in zip(ids, pixels, grids):
-            g = g.view(-1, 3)
-            images = dict(pixel_values=p.view(-1, ours.vl.vision.patch_dim), image_grid_thw=g) if g.numel() else {}
-            logits = ours(seq, mrope_positions(seq, IMAGE, g, 2), torch.tensor([0, len(seq)], dtype=torch.int32),
-                          **images)
-            want.append(torch.log_softmax(logits[-4:-1].double(), -1).gather(1, seq[-3:, None]).squeeze(1).float())
+    want = reference_logprobs(ours, ids, pixels, grids)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -16,42 +16,21 @@ from backends.base import Share  # noqa: E402
 from backends.config import EngineConfig, OptimConfig  # noqa: E402
 from backends.fsdp.engine import FSDPEngine  # noqa: E402
 from backends.fsdp.share import GRIDS, PIXELS  # noqa: E402
-from backends.model.vision import load_vl_checkpoint, mrope_positions  # noqa: E402
+from backends.model.vision import load_vl_checkpoint  # noqa: E402
 from protocol.batch.nested import to_nested  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
+from vl_common import reference_logprobs, vl_rows  # noqa: E402
 
-IMAGE, START, END = 150, 152, 153
 CASES = [([5, 6, 7, 8, 9], [(1, 2, 6), (1, 6, 4)]), ([10, 11, 12], [(1, 4, 4)]), ([13, 14, 15, 16], []),
          ([17, 18], [(1, 2, 2)]), ([19, 20, 21], []), ([3, 4, 5, 6], [])]  # the last one: padding
-
-
-def batch(model):
-    gen = torch.Generator().manual_seed(2)
-    ids, masks, pixels, grids = [], [], [], []
-    for text, g in CASES:
-        seq = text[:1]
-        for t, h, w in g:
-            seq += [START] + [IMAGE] * (t * h * w // 4) + [END]
-        ids.append(torch.tensor(seq + text[1:] + [20, 21, 22]))
-        masks.append(torch.ones(3, dtype=torch.long))
-        pixels.append(torch.randn(int(sum(t * h * w for t, h, w in g)) * model.vl.vision.patch_dim, generator=gen))
-        grids.append(torch.tensor(g, dtype=torch.long).reshape(-1))
-    return ids, masks, pixels, grids
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = load_vl_checkpoint(sys.argv[1])
-    ids, masks, pixels, grids = batch(model)
-    want = []
-    with torch.no_grad():
-        for seq, p, g in zip(ids, pixels, grids):
-            g = g.view(-1, 3)
-            images = dict(pixel_values=p.view(-1, model.vl.vision.patch_dim), image_grid_thw=g) if g.numel() else {}
-            logits = model(seq, mrope_positions(seq, IMAGE, g, 2), torch.tensor([0, len(seq)], dtype=torch.int32),
-                           **images)
-            want.append(torch.log_softmax(logits[-4:-1].double(), -1).gather(1, seq[-3:, None]).squeeze(1).float())
+    ids, masks, pixels, grids = vl_rows(model.vl.vision.patch_dim, CASES)
+    want = reference_logprobs(model, ids, pixels, grids)
     mine = list(range(rank, len(CASES), 2))  # rank 0: 2 images, none, none; rank 1: 1 image, 1 image, padding
     data = TensorDict({"input_ids": to_nested([ids[i] for i in mine]),
                        "response_mask": to_nested([masks[i] for i in mine]),
