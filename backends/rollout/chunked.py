@@ -26,10 +26,14 @@ class VersionedGenerate:
             raise RolloutError(f"partial rollout chunk must be >= 1 token, got {chunk}")
         self.engine, self.chunk = engine, chunk
 
-    async def __call__(self, prompt_ids: Sequence[int], sampling_params: Any = None) -> Generated:
+    async def __call__(self, prompt_ids: Sequence[int], sampling_params: Any = None, images: Any = None
+                       ) -> Generated:
+        """``images``: the prompt's (pixel_values, image_grid_thw) for a vision-language policy; every chunk's
+        request carries them (it continues the same prompt)."""
         params = SamplingParams.from_any(sampling_params)
+        extra = {} if images is None else {"images": images}
         if self.chunk is None or self.chunk >= params.max_tokens:
-            return await self.engine.agenerate(prompt_ids, params)
+            return await self.engine.agenerate(prompt_ids, params, **extra)
         prompt = list(prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)
         toks: list[int] = []
         lps: list[float] = []
@@ -37,7 +41,7 @@ class VersionedGenerate:
         stops = self.engine.stop_token_ids
         while len(toks) < params.max_tokens:
             want = min(self.chunk, params.max_tokens - len(toks))
-            part = await self.engine.agenerate(prompt + toks, dataclasses.replace(params, max_tokens=want))
+            part = await self.engine.agenerate(prompt + toks, dataclasses.replace(params, max_tokens=want), **extra)
             toks.extend(part[0])
             lps.extend(part[1])
             versions.extend(part.versions)

@@ -26,6 +26,7 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     future: asyncio.Future
+    images: tuple[torch.Tensor, torch.Tensor] | None = None  # (pixel_values, image_grid_thw) of the prompt
 
 
 class EmbeddedEngine:
@@ -45,10 +46,15 @@ class EmbeddedEngine:
         ids, logprobs = engine.generate(tok.apply_chat_template(msgs), {"temperature": 1.0, "max_tokens": 8})
     """
 
-    def __init__(self, model_cfg: ModelConfig, tokenizer: Any, device: str | torch.device = "cpu", seed: int = 0,
+    def __init__(self, model_cfg: Any, tokenizer: Any, device: str | torch.device = "cpu", seed: int = 0,
                  rank: int = 0, max_batch_size: int | None = None, init_seed: int = 0):
+        from backends.model.vision import VLConfig, VLModel
+
+        self.vl = model_cfg if isinstance(model_cfg, VLConfig) else None  # a vision-language policy
+        if self.vl is not None:
+            model_cfg = self.vl.text
         if not isinstance(model_cfg, ModelConfig):
-            raise RolloutError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
+            raise RolloutError(f"model_cfg must be a ModelConfig or a VLConfig, got {type(model_cfg).__name__}")
         self.stop_token_ids = engine_stop_ids(model_cfg, tokenizer)
         if max_batch_size is not None and max_batch_size < 1:
             raise RolloutError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
@@ -58,13 +64,17 @@ class EmbeddedEngine:
         self.seed, self.rank = int(seed), int(rank)
         self.max_batch_size = max_batch_size
         # Deterministic placeholder weights until the first load_weights; the sampling seed does not change them.
-        if model_cfg.hf_path:  # the trainer pushes the engine's (checkpoint) weights before any rollout
+        if self.vl is not None:  # weights only from load_weights (the folder's, then the trainer's)
+            with torch.device("meta"):
+                self.model = VLModel(self.vl)
+            self.model = self.model.to_empty(device=self.device).eval()
+        elif model_cfg.hf_path:  # the trainer pushes the engine's (checkpoint) weights before any rollout
             with torch.device("meta"):
                 self.model = LlamaModel(model_cfg)
             self.model = self.model.to_empty(device=self.device).eval()
         else:
             self.model = LlamaModel.from_seed(model_cfg, seed=int(init_seed), device=self.device).eval()
-        self._has_weights = not model_cfg.hf_path
+        self._has_weights = not model_cfg.hf_path and self.vl is None
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
@@ -163,17 +173,30 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------------------------------- sampling
     def generate_batch(self, prompts: Sequence[Sequence[int]],
                        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                       images: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
                        ) -> list[tuple[list[int], list[float]]]:
-        """Sample every prompt in one batched generation; return ``(token_ids, logprobs)`` per prompt, in order."""
+        """Sample every prompt in one batched generation; return ``(token_ids, logprobs)`` per prompt, in order.
+        ``images``: a vision-language policy's ``(pixel_values, image_grid_thw)`` per prompt (None: no image)."""
         if self._paused:
             raise RolloutError("the rollout engine is paused; resume() it before generating")
         params = SamplingParams.from_any(sampling_params)
         checked = [check_prompt(p, self.model_cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
         for i, p in enumerate(checked):
             check_fits(p, params, self.model_cfg.max_position_embeddings, f"prompt {i}")
+        images = list(images) if images is not None else [None] * len(checked)
+        if len(images) != len(checked):
+            raise RolloutError(f"generate_batch: {len(images)} image entries for {len(checked)} prompts")
         if not checked:
             return []
-        return self._run([_Request(p, params, None) for p in checked])  # type: ignore[arg-type]
+        return self._run([_Request(p, params, None, self._checked_images(im))  # type: ignore[arg-type]
+                          for p, im in zip(checked, images)])
+
+    def _checked_images(self, images: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if images is None:
+            return None
+        if self.vl is None:
+            raise RolloutError("images given to a rollout engine whose model has no vision tower")
+        return images
 
     def generate(self, prompt_ids: Sequence[int],
                  sampling_params: SamplingParams | Mapping[str, Any] | None = None) -> tuple[list[int], list[float]]:
@@ -200,9 +223,11 @@ class EmbeddedEngine:
                 chunk = idx[start:start + step]
                 max_new = max(requests[i].params.max_tokens for i in chunk)
                 self.batch_sizes.append(len(chunk))
+                images = [requests[i].images for i in chunk] if self.vl is not None else None
                 toks, lps = batched_generate(self.model, [requests[i].prompt for i in chunk], max_new_tokens=max_new,
                                              temperature=temperature, top_p=top_p,
-                                             eos_token_id=self.stop_token_ids, generator=self.generator)
+                                             eos_token_id=self.stop_token_ids, generator=self.generator,
+                                             images=images)
                 for i, t, lp in zip(chunk, toks, lps):
                     m = requests[i].params.max_tokens  # a shorter budget is a prefix of the same sample
                     results[i] = (t[:m], lp[:m])
@@ -210,9 +235,11 @@ class EmbeddedEngine:
 
     # ---------------------------------------------------------------------------------------------- async
     async def agenerate(self, prompt_ids: Sequence[int],
-                        sampling_params: SamplingParams | Mapping[str, Any] | None = None) -> Generated:
+                        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                        images: tuple[torch.Tensor, torch.Tensor] | None = None) -> Generated:
         """Sample one request on the running event loop: ``(token_ids, logprobs)`` with ``versions`` = the weight
-        version that generated them (read when the batch ran).
+        version that generated them (read when the batch ran). ``images``: a vision-language policy's
+        ``(pixel_values, image_grid_thw)`` of the prompt.
 
         Requests that arrive while the event loop is busy are sampled as one batch. The batch is cut once the loop
         has had a tick in which no new request arrived, so every session that is ready to generate joins it; batch
@@ -224,7 +251,7 @@ class EmbeddedEngine:
         check_fits(prompt, params, self.model_cfg.max_position_embeddings, "agenerate")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending.append(_Request(prompt, params, fut))
+        self._pending.append(_Request(prompt, params, fut, self._checked_images(images)))
         if self._flusher is None or self._flusher.done() or self._flusher.get_loop() is not loop:
             self._flusher = loop.create_task(self._flush_loop())
         toks, lps, version = await fut

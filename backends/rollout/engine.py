@@ -77,7 +77,8 @@ class RolloutEngine(Protocol):
 
     * ``agenerate``: one request, token ids in; a :class:`Generated` out (token ids, the sampled tokens'
       log-probs at the request's temperature, and the weight version that produced them). Requests that arrive
-      together may be batched.
+      together may be batched. ``images``: a vision-language policy's ``(pixel_values, image_grid_thw)`` of the
+      prompt (an engine without a vision tower refuses them).
     * ``pause`` / ``resume``: requests wait at their next token boundary while paused (a weight sync in between
       makes the rest of a response use the new weights); nothing is lost.
     * ``load_weights``: full weights in the trainer's model layout, tagged with a version (the step they serve);
@@ -91,7 +92,8 @@ class RolloutEngine(Protocol):
     weights_version: int
 
     async def agenerate(self, prompt_ids: Sequence[int],
-                        sampling_params: SamplingParams | Mapping[str, Any] | None = None) -> Generated: ...
+                        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                        images: Any = None) -> Generated: ...
 
     def pause(self) -> None: ...
 

@@ -253,9 +253,13 @@ class VllmEngine:
 
     # ----------------------------------------------------------------------------------------------- sampling
     async def agenerate(self, prompt_ids: Sequence[int],
-                        sampling_params: SamplingParams | Mapping[str, Any] | None = None) -> Generated:
+                        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                        images: Any = None) -> Generated:
         """One request: ``(token_ids, logprobs)`` with ``versions`` = the weight version the server held when the
         request went out (a weight load waits for running requests, so it is the version that made every token)."""
+        if images is not None:
+            raise RolloutError("rollout.engine=vllm does not take images yet (docs/multimodal.md); the embedded "
+                               "engine does")
         params = SamplingParams.from_any(sampling_params)
         prompt = check_prompt(prompt_ids, self.model_cfg.vocab_size, "agenerate")
         check_fits(prompt, params, self.model_cfg.max_position_embeddings, "agenerate")

@@ -285,3 +285,54 @@ def test_fsdp_engine_with_images_on_two_ranks(torchrun, tmp_path):
                    timeout=300)
     for check in ("log-probs dp=2", "step dp=2"):
         assert out.count(check) == 2, out[-3000:]
+
+
+def test_the_embedded_engine_samples_with_images_and_in_chunks(tmp_path):
+    """The embedded rollout engine on a Qwen2.5-VL policy (weights pushed from the folder): concurrent requests with
+    2, 1 and 0 images give the model's own greedy tokens and log-probs, and a partial rollout in 3-token chunks
+    (each chunk a new request carrying the prompt's images) gives the same response; the single-turn agent loop
+    hands a prompt's images to it; an engine of a text policy refuses images."""
+    import asyncio
+
+    from backends.model.generate import generate
+    from backends.model.hf import read_weight_files
+    from backends.model.vision import vl_state_dict
+    from backends.rollout import EmbeddedEngine, RolloutError, VersionedGenerate
+    from backends.model.config import ModelConfig
+    from protocol.rollout.tokenizer import CharTokenizer
+
+    _tiny_vl(tmp_path / "vl", family="qwen2_5_vl")
+    ours = load_vl_checkpoint(str(tmp_path / "vl"))
+
+    class Tok(CharTokenizer):  # the vocabulary of the tiny checkpoint (160 ids; eos 1)
+        def __init__(self):
+            super().__init__()
+            self.vocab_size, self.eos_token_id = 160, 1
+
+    engine = EmbeddedEngine(ours.vl, Tok(), seed=0)
+    engine.load_weights(vl_state_dict(read_weight_files(str(tmp_path / "vl")), ours.vl), version=1)
+    cases = [([5, 6, 7, 8, 9], [(1, 2, 6), (1, 6, 4)]), ([10, 11, 12], [(1, 4, 4)]), ([13, 14, 15, 16], [])]
+    ids, _, pixels, grids = vl_rows(ours.vl.vision.patch_dim, cases)
+    prompts = [x.tolist()[:-3] for x in ids]
+    images = [(p.view(-1, ours.vl.vision.patch_dim), g.view(-1, 3)) if g.numel() else None
+              for p, g in zip(pixels, grids)]
+    want = generate(ours, prompts, max_new_tokens=7, temperature=0.0, eos_token_id=1, images=images)
+    params = {"temperature": 0.0, "max_tokens": 7}
+
+    async def run(gen):
+        return await asyncio.gather(*[gen(p, params, images=im) for p, im in zip(prompts, images)])
+
+    whole = asyncio.run(run(VersionedGenerate(engine)))
+    chunked = asyncio.run(run(VersionedGenerate(engine, chunk=3)))
+    for k, (w, a, b) in enumerate(zip(zip(*want), whole, chunked)):
+        assert list(a[0]) == w[0] == list(b[0]), k
+        torch.testing.assert_close(torch.tensor(a[1]), torch.tensor(w[1]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(b[1]), torch.tensor(w[1]), rtol=1e-5, atol=1e-5)
+    from protocol.rollout.agent_loop.single_turn import SingleTurnAgentLoop
+
+    loop = SingleTurnAgentLoop(VersionedGenerate(engine), max_response_length=7)
+    (out,) = asyncio.run(loop.run(prompts[0], params, images=images[0]))
+    assert list(out.response_ids) == want[0][0], "the agent loop hands the prompt's images to the engine"
+    text = EmbeddedEngine(ModelConfig(vocab_size=160), Tok(), seed=0)
+    with pytest.raises(RolloutError, match="no vision tower"):
+        text.generate_batch([prompts[2]], params, images=[images[0]])

@@ -63,14 +63,16 @@ def _ids_list(value: Any, what: str) -> list[int]:
     return out
 
 
-async def call_generate(generate: GenerateFn, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any]
-                        ) -> tuple[list[int], list[float] | None]:
+async def call_generate(generate: GenerateFn, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any],
+                        images: Any = None) -> tuple[list[int], list[float] | None]:
     """Call ``generate`` (sync or async) and check it returned ``(token_ids, logprobs)`` of equal lengths.
 
     A sync ``generate`` runs inline on the event loop (so the order of calls, hence the RNG stream, is
-    deterministic); an async one is awaited, so concurrent sessions can be batched by the generator.
+    deterministic); an async one is awaited, so concurrent sessions can be batched by the generator. ``images``
+    (a vision-language prompt's ``(pixel_values, image_grid_thw)``) go to ``generate`` as its ``images`` keyword.
     """
-    result = generate(list(prompt_ids), dict(sampling_params))
+    extra = {} if images is None else {"images": images}
+    result = generate(list(prompt_ids), dict(sampling_params), **extra)
     if inspect.isawaitable(result):
         result = await result
     if not isinstance(result, (tuple, list)) or len(result) != 2:

@@ -18,12 +18,13 @@ class SingleTurnAgentLoop(AgentLoop):
     ``extra_fields`` (``truncated``, ``truncated_tokens``).
     """
 
-    async def run(self, prompt: Any, sampling_params: Mapping[str, Any] | None = None, **kwargs: Any
-                  ) -> list[AgentLoopOutput]:
+    async def run(self, prompt: Any, sampling_params: Mapping[str, Any] | None = None, images: Any = None,
+                  **kwargs: Any) -> list[AgentLoopOutput]:
+        """``images``: a vision-language prompt's ``(pixel_values, image_grid_thw)``, given to ``generate``."""
         sampling_params = dict(sampling_params or {})
         prompt_ids = self.prompt_to_ids(prompt)
         sampling_params["max_tokens"] = self._max_tokens(sampling_params, self.max_response_length)
-        token_ids, logprobs = await call_generate(self.generate, prompt_ids, sampling_params)
+        token_ids, logprobs = await call_generate(self.generate, prompt_ids, sampling_params, images)
         extra: dict[str, Any] = {"truncated": False, "truncated_tokens": 0, "stop_reason": "generation"}
         if len(token_ids) > self.max_response_length:
             extra.update(truncated=True, truncated_tokens=len(token_ids) - self.max_response_length,
