@@ -41,12 +41,16 @@ def prompt_owners(count: int, holders: Sequence[int]) -> list[int]:
 
 
 def session_kwargs(cfg: RunConfig, rows: Sequence[dict], uids: Sequence[str], partition: str) -> list[dict]:
-    """What each prompt's sessions get besides the prompt: the tool loop's ``tools_kwargs`` of its row, and
-    ``inject_failure`` for the groups ``debug.inject_rollout_failures`` picks (training prompts only)."""
+    """What each prompt's sessions get besides the prompt: the tool loop's ``tools_kwargs`` of its row, a
+    vision-language row's processed images (``images``), and ``inject_failure`` for the groups
+    ``debug.inject_rollout_failures`` picks (training prompts only)."""
     frac = cfg.debug.inject_rollout_failures if partition == TRAIN else 0.0
     out = []
     for row, uid in zip(rows, uids):
         kw: dict[str, Any] = {}
+        mm = row.get("multi_modal_inputs")
+        if mm:
+            kw["images"] = (mm["pixel_values"], mm["image_grid_thw"])
         if cfg.rollout.agent_loop == "tool":
             kw["tools_kwargs"] = (row.get("extra_info") or {}).get("tools_kwargs") or {}
         if fails(uid, frac):
@@ -115,7 +119,8 @@ class LocalRollout:
         """:meth:`submit` of this rank's share (:meth:`mine`) of dataset ``rows``; returns its positions."""
         mine = self.mine(len(rows))
         picked_rows, picked_uids = [rows[i] for i in mine], [uids[i] for i in mine]
-        self.submit([r["raw_prompt"] for r in picked_rows], picked_uids, partition, step,
+        # a vision-language row comes with its prompt ids (image tokens expanded); a text row with its messages
+        self.submit([r.get("prompt_ids", r["raw_prompt"]) for r in picked_rows], picked_uids, partition, step,
                     session_kwargs(self.cfg, picked_rows, picked_uids, partition), seed_batch=seed_batch, wait=wait,
                     cancel_left=cancel_left)
         return mine

@@ -336,3 +336,54 @@ def test_the_embedded_engine_samples_with_images_and_in_chunks(tmp_path):
     text = EmbeddedEngine(ModelConfig(vocab_size=160), Tok(), seed=0)
     with pytest.raises(RolloutError, match="no vision tower"):
         text.generate_batch([prompts[2]], params, images=[images[0]])
+
+
+def test_groups_with_images_reach_the_store_with_their_images(tmp_path):
+    """run_groups with the embedded engine on a Qwen2.5-VL policy: groups of prompts with and without images run
+    together; every trajectory's response is the engine's greedy one for its prompt and images, and the store holds
+    its images flattened as the engines' shares read them (a text prompt's trajectories hold none)."""
+    import asyncio
+
+    from backends.model.generate import generate
+    from backends.model.hf import read_weight_files
+    from backends.model.vision import vl_state_dict
+    from backends.rollout import EmbeddedEngine, VersionedGenerate
+    from protocol.rollout.agent_loop import run_groups
+    from protocol.rollout.agent_loop.single_turn import SingleTurnAgentLoop
+    from protocol.rollout.tokenizer import CharTokenizer
+    from protocol.store import LocalStore
+    from protocol.store.keys import uid_of
+
+    _tiny_vl(tmp_path / "vl", family="qwen2_5_vl")
+    ours = load_vl_checkpoint(str(tmp_path / "vl"))
+
+    class Tok(CharTokenizer):
+        def __init__(self):
+            super().__init__()
+            self.vocab_size, self.eos_token_id = 160, 1
+
+    engine = EmbeddedEngine(ours.vl, Tok(), seed=0)
+    engine.load_weights(vl_state_dict(read_weight_files(str(tmp_path / "vl")), ours.vl), version=1)
+    cases = [([5, 6, 7], [(1, 2, 6)]), ([10, 11, 12], []), ([13, 14], [(1, 4, 4), (1, 2, 2)])]
+    ids, _, pixels, grids = vl_rows(ours.vl.vision.patch_dim, cases)
+    prompts = [x.tolist()[:-3] for x in ids]
+    images = [(p.view(-1, ours.vl.vision.patch_dim), g.view(-1, 3)) if g.numel() else None
+              for p, g in zip(pixels, grids)]
+    uids = ["aa01", "bb02", "cc03"]
+    store = LocalStore()
+    loop = SingleTurnAgentLoop(VersionedGenerate(engine), max_response_length=5)
+    asyncio.run(run_groups(store, uids, prompts, 2, loop, 1, "train", {"temperature": 0.0, "max_tokens": 5},
+                           row_kwargs=[{"images": im} if im else {} for im in images]))
+    want = generate(ours, prompts, max_new_tokens=5, temperature=0.0, eos_token_id=1, images=images)[0]
+    keys = sorted(k for k in store.kv_list("train")["train"] if "_" in k)
+    assert len(keys) == 6
+    for key in keys:
+        i = uids.index(uid_of(key))
+        got = store.kv_batch_get([key], "train", ["responses"])["responses"][0].tolist()
+        assert got == want[i]
+        fields = store.kv_batch_get([key], "train")
+        if images[i] is None:
+            assert "multi_modal_inputs.pixel_values" not in fields.keys()
+        else:
+            assert torch.equal(fields["multi_modal_inputs.pixel_values"][0], pixels[i])
+            assert torch.equal(fields["multi_modal_inputs.image_grid_thw"][0], grids[i])

@@ -31,5 +31,9 @@ class SingleTurnAgentLoop(AgentLoop):
                          truncated_kind="generation", stop_reason="max_response_length")
             token_ids = token_ids[: self.max_response_length]
             logprobs = None if logprobs is None else logprobs[: self.max_response_length]
+        # a prompt's images go to the store with the trajectory, flattened as the engines' shares read them
+        mm = None if images is None else {"pixel_values": images[0].reshape(-1),
+                                          "image_grid_thw": images[1].reshape(-1)}
         return [AgentLoopOutput(prompt_ids=prompt_ids, response_ids=token_ids, response_mask=[1] * len(token_ids),
-                                response_logprobs=logprobs, num_turns=2, extra_fields=extra)]
+                                response_logprobs=logprobs, num_turns=2, extra_fields=extra,
+                                multi_modal_inputs=mm)]
