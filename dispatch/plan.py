@@ -268,7 +268,7 @@ def read_plan_tags(tags: Sequence[Mapping[str, Any]], keys: Sequence[str] | None
 
 def _vision_spans(tags: list, pad: np.ndarray, names: list[str]) -> list[list[int]] | None:
     """Each sample's ``vision_spans`` tag (None when no sample has one); a padding sample carries no images."""
-    spans = [t.get("vision_spans") if isinstance(t, Mapping) else None for t in tags]
+    spans = [t.get("vision_spans") for t in tags]  # _read_tags checked each tag is a mapping
     if all(s is None for s in spans):
         return None
     out = []

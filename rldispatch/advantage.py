@@ -20,8 +20,7 @@ from rldispatch.config import RunConfig
 from rldispatch.critic import CriticRole
 from rldispatch.dataplane import ShardedStore
 from rldispatch.metrics import StepStats
-from rldispatch.judge import JUDGE_FIELD
-from rldispatch.reward_model import RM_FIELD, combined_scores
+from rldispatch.reward_model import combined_scores, learned_weights
 from rldispatch.rollout import TRAIN
 
 __all__ = ["advantages_on_owners", "ADVANTAGE_FIELDS"]
@@ -72,7 +71,7 @@ def advantages_on_owners(cfg: RunConfig, store: ShardedStore, owners: list[list[
     in_reward = cfg.algorithm.use_kl_in_reward  # config validation guarantees a reference
     # the rollout's log-probs meet the trainer's: to correct by them, or (recompute mode) to report their gap
     compare = cfg.algorithm.rollout_correction.enabled or cfg.rollout.log_prob_mode == "recompute"
-    learned = [f for f, on in ((RM_FIELD, cfg.reward.model.enabled), (JUDGE_FIELD, cfg.reward.judge.enable)) if on]
+    learned = list(learned_weights(cfg.reward))
     need = ["rm_scores", "response_mask"] + (["old_log_probs", "ref_log_prob"] if in_reward else []) \
         + (["old_log_probs"] if compare and not in_reward else []) + (["values"] if with_values else []) + learned
     td = store.fetch_planned(owners, TRAIN, need)

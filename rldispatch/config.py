@@ -553,26 +553,22 @@ def _check_reward(cfg: RunConfig) -> None:
         _check_judge(cfg)
 
 
-def _check_reward_model_tokenizer(path: str, vocab_size: int) -> None:
-    """``reward.model.retokenize``: the folder's own tokenizer, inside its vocabulary, with a chat template."""
-    import os
-
+def _check_tokenizer(source: str, vocab_size: int, what: str, vocab_of: str, messages: list[dict],
+                     generation_prompt: bool) -> None:
+    """A tokenizer a reward model or judge reads with: loadable, inside the vocabulary of ``vocab_of``'s model, and
+    (``messages`` not empty) able to render them with its chat template. ``what`` names it in the error."""
     from protocol.rollout.tokenizer import TokenizerError, VocabularyError, check_vocab_fits, load_tokenizer
 
-    if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"} & set(os.listdir(path)):
-        raise ConfigError(f"reward.model.retokenize=true reads the reward model's own tokenizer, but "
-                          f"reward.model.hf_path={path!r} has no tokenizer files")
     try:
-        tok = load_tokenizer(path)
-        check_vocab_fits(tok, vocab_size, where=f"reward.model.hf_path={path!r}'s vocabulary")
+        tok = load_tokenizer(source)
+        check_vocab_fits(tok, vocab_size, where=f"{vocab_of}'s vocabulary")
     except (TokenizerError, VocabularyError) as exc:
-        raise ConfigError(f"reward.model.retokenize=true reads the reward model's own tokenizer: {exc}") from exc
-    try:
-        tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-                                add_generation_prompt=False)
-    except Exception as exc:  # a tokenizer without a template says so its own way
-        raise ConfigError(f"reward.model.retokenize=true: the tokenizer of reward.model.hf_path={path!r} cannot "
-                          f"apply a chat template ({exc})") from exc
+        raise ConfigError(f"{what}: {exc}") from exc
+    if messages:
+        try:
+            tok.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        except Exception as exc:  # a tokenizer without a template says so its own way
+            raise ConfigError(f"{what} ({source}) cannot apply a chat template ({exc})") from exc
 
 
 def _check_judge(cfg: RunConfig) -> None:
@@ -583,9 +579,9 @@ def _check_judge(cfg: RunConfig) -> None:
 
     from backends.model.hf import HFCheckpointError, read_hf_config
     from protocol.algos.judge import JudgeError, judge_folder, judge_tokenizer_source
-    from protocol.rollout.tokenizer import TokenizerError, VocabularyError, check_vocab_fits, load_tokenizer
 
-    key = "reward.judge.hf_path" if cfg.reward.judge.hf_path else "model.hf_path (the judge, reward.judge.hf_path unset)"
+    key = "reward.judge.hf_path" if cfg.reward.judge.hf_path else \
+        "model.hf_path (the judge, reward.judge.hf_path unset)"
     try:
         path = judge_folder(cfg.reward.judge, cfg.model.hf_path)
         if not os.path.isdir(path):
@@ -596,26 +592,20 @@ def _check_judge(cfg: RunConfig) -> None:
         if archs and not any(a.endswith("ForCausalLM") for a in archs):
             raise ConfigError(f"{key}={path!r} holds a {archs[0]}; the judge generates text, so it needs a "
                               f"*ForCausalLM checkpoint (a sequence classifier goes to reward.model.hf_path)")
-        source = judge_tokenizer_source(path, cfg.data.tokenizer, cfg.model.hf_path)
-        tok = load_tokenizer(source)
-        check_vocab_fits(tok, found.vocab_size, where=f"the judge's vocabulary ({key})")
-        if cfg.reward.judge.chat_template:
-            try:
-                tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True)
-            except Exception as exc:
-                raise ConfigError(f"the judge's tokenizer ({source}) cannot apply a chat "
-                                  f"template ({exc}); set reward.judge.chat_template=false") from exc
-    except (JudgeError, HFCheckpointError, TokenizerError, VocabularyError) as exc:
+        _check_tokenizer(judge_tokenizer_source(path, cfg.data.tokenizer, cfg.model.hf_path), found.vocab_size,
+                         f"the judge's tokenizer ({key}; without a template set reward.judge.chat_template=false)",
+                         "the judge", [{"role": "user", "content": "x"}] if cfg.reward.judge.chat_template else [],
+                         True)
+    except (JudgeError, HFCheckpointError) as exc:
         raise ConfigError(f"{exc}" if key.split(" ")[0] in str(exc) else f"{key}: {exc}") from exc
 
 
 def _check_reward_model(cfg: RunConfig) -> None:
     """``reward.model``: a one-label sequence-classification folder that reads the policy's token ids (same
     vocabulary), on a backend that runs it; everything here happens before any collective."""
-    import os
-
     from backends.model.hf import HFCheckpointError
     from backends.model.reward_model import read_reward_config
+    from protocol.rollout.tokenizer import has_tokenizer_files
 
     rm = cfg.reward.model
     if cfg.actor.backend != "fsdp":
@@ -625,17 +615,20 @@ def _check_reward_model(cfg: RunConfig) -> None:
         found = read_reward_config(rm.hf_path)
     except HFCheckpointError as exc:
         raise ConfigError(str(exc)) from exc
-    files = ("tokenizer.json", "tokenizer_config.json")
     if rm.retokenize:
-        _check_reward_model_tokenizer(rm.hf_path, found.vocab_size)
+        if not has_tokenizer_files(rm.hf_path):
+            raise ConfigError(f"reward.model.retokenize=true reads the reward model's own tokenizer, but "
+                              f"reward.model.hf_path={rm.hf_path!r} has no tokenizer files")
+        _check_tokenizer(rm.hf_path, found.vocab_size, "reward.model.retokenize=true: the reward model's tokenizer",
+                         f"reward.model.hf_path={rm.hf_path!r}",
+                         [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
     elif found.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"reward.model.hf_path={rm.hf_path!r} has vocab_size={found.vocab_size}, the policy "
                           f"(model.vocab_size) {cfg.model.vocab_size}: the reward model reads the policy's token "
                           f"ids, so their vocabularies must be the same, or set reward.model.retokenize=true to "
                           f"read each trajectory in the reward model's own chat template and tokenizer")
     policy_tok = cfg.data.tokenizer if cfg.data.tokenizer not in ("", "char") else cfg.model.hf_path
-    if not rm.retokenize and policy_tok and any(os.path.isfile(os.path.join(rm.hf_path, f)) for f in files) \
-            and any(os.path.isfile(os.path.join(policy_tok, f)) for f in files):
+    if not rm.retokenize and policy_tok and has_tokenizer_files(rm.hf_path) and has_tokenizer_files(policy_tok):
         from transformers import AutoTokenizer
 
         mine, theirs = (AutoTokenizer.from_pretrained(p, local_files_only=True).get_vocab()

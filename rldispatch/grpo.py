@@ -160,12 +160,14 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ reward
     def _score(self, keys: list[str], partition: str, rows_by_uid: dict[str, dict],
-               pad: torch.Tensor | None = None) -> RewardResult:
+               pad: torch.Tensor | None = None,
+               inputs: tuple[TensorDict, list[RewardInput]] | None = None) -> RewardResult:
         """Reward of this rank's own trajectories (scores and the scorers' extra values); writes ``rm_scores`` at
-        the last policy token. ``pad``: the keys' ``is_padding`` flags when the caller has them (else read)."""
+        the last policy token. ``pad``: the keys' ``is_padding`` flags when the caller has them (else read);
+        ``inputs``: the keys' :meth:`_reward_inputs` when the caller read them already."""
         if not keys:
             return RewardResult(torch.zeros(0))
-        td, items = self._reward_inputs(keys, partition, rows_by_uid, pad)
+        td, items = inputs or self._reward_inputs(keys, partition, rows_by_uid, pad)
         result = (self.val_reward_manager if partition == VAL else self.reward_manager)(items)
         rm = compute_rm_scores(result.scores, td["response_mask"])
         self.store.kv_batch_put(keys, partition, batch_of({"rm_scores": rm}, len(keys)))
@@ -277,7 +279,9 @@ class GRPOTrainer:
         return full
 
     def _compute_reward(self, full: KVBatchMeta, st: StepState) -> KVBatchMeta:
-        result = self._score(st.own, TRAIN, self.stream.rows, st.own_pad)
+        if st.own:
+            st.reward_inputs = self._reward_inputs(st.own, TRAIN, self.stream.rows, st.own_pad)
+        result = self._score(st.own, TRAIN, self.stream.rows, st.own_pad, inputs=st.reward_inputs)
         # with a reward model the rule's scores are a metric of their own; reward/score is the combination
         st.stats.masked("reward/rule" if self.cfg.reward.learned else "reward/score", result.scores.double(),
                         st.own_pad)
@@ -294,7 +298,7 @@ class GRPOTrainer:
         samples, and the answers without a usable score counted by kind."""
         scores, failures = torch.zeros(0), []
         if st.own:
-            td, items = self._reward_inputs(st.own, TRAIN, self.stream.rows, st.own_pad)
+            td, items = st.reward_inputs  # read by the reward stage
             result = self.judge.judge(items, self.stream.rows, self.step)
             scores, failures = result.scores, result.failures
             self.store.kv_batch_put(st.own, TRAIN, batch_of(

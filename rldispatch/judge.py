@@ -60,15 +60,9 @@ class JudgeRole:
         """The judge's prompt tokens for one trajectory (too long for the judge: an error naming the key)."""
         text = render_judge_prompt(self.jc.template, prompt_text(raw_prompt), self.decode(item.response_ids),
                                    item.ground_truth)
-        if self.jc.chat_template:
-            try:
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                         add_generation_prompt=True)
-            except Exception as exc:  # a tokenizer without a chat template says so its own way
-                raise JudgeError(f"the judge's tokenizer cannot apply a chat template ({exc}); set "
-                                 "reward.judge.chat_template=false to give it the plain text") from exc
-        else:
-            ids = self.tokenizer.encode(text)
+        # the config check made sure a chat template, when asked for, renders
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True) \
+            if self.jc.chat_template else self.tokenizer.encode(text)
         limit = self.model_cfg.max_position_embeddings
         if len(ids) + self.jc.max_tokens > limit:
             raise JudgeError(f"trajectory {item.key}: the judge prompt has {len(ids)} tokens, + reward.judge."
@@ -101,4 +95,3 @@ class JudgeRole:
     def close(self) -> None:
         self.engine.close()
         self.loop.close()
-

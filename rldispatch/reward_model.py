@@ -23,7 +23,7 @@ from rldispatch.config import RunConfig
 from rldispatch.judge import JUDGE_FIELD
 from rldispatch.step_state import StepState
 
-__all__ = ["RewardModelRole", "RM_FIELD", "build_reward_model_engine", "combined_scores"]
+__all__ = ["RewardModelRole", "RM_FIELD", "build_reward_model_engine", "combined_scores", "learned_weights"]
 
 #: the store field of the reward model's scores (beside the rule-based ``rm_scores``)
 RM_FIELD = "rm_model_scores"
@@ -40,11 +40,18 @@ def build_reward_model_engine(cfg: RunConfig, topology: Topology) -> Any:
                                  micro_batch_size=rm.micro_batch_size)
 
 
+def learned_weights(reward: RewardConfig) -> dict[str, float]:
+    """The store field of each model that scores this run's trajectories (a reward model, a judge) -> its weight
+    in the trajectory score."""
+    return {f: w for f, w, on in ((RM_FIELD, reward.model.weight, reward.model.enabled),
+                                  (JUDGE_FIELD, reward.judge.weight, reward.judge.enable)) if on}
+
+
 def combined_scores(reward: RewardConfig, rule: torch.Tensor, learned: dict[str, torch.Tensor]) -> torch.Tensor:
     """The trajectory scores the advantage uses: ``reward.rule_weight * rule`` plus each model's weighted scores
-    (``learned``: ``rm_model_scores`` / ``rm_judge_scores``; all padded [n, L] rows with the score at the last
-    policy token)."""
-    weights = {RM_FIELD: reward.model.weight, JUDGE_FIELD: reward.judge.weight}
+    (``learned``: the fields of :func:`learned_weights`; all padded [n, L] rows with the score at the last policy
+    token)."""
+    weights = learned_weights(reward)
     out = reward.rule_weight * rule
     for name, scores in learned.items():
         out = out + weights[name] * scores

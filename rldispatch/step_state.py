@@ -30,6 +30,8 @@ class StepState:
     own_pad: torch.Tensor | None = None
     mine: KVBatchMeta | None = None  # this DP rank's share for inference
     infer_inputs: TensorDict | None = None
+    #: this rank's own responses / masks and their RewardInputs, read once by the reward stage (the judge's too)
+    reward_inputs: tuple[TensorDict, list] | None = None
 
     @property
     def rows(self) -> list[dict]:

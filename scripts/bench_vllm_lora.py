@@ -104,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lora_server.wait_ready(opts.startup_timeout_s)
         loop = asyncio.new_event_loop()
+        ref = load_hf_checkpoint(args.model).double()  # the float64 recompute; each sync's merged weights go in
         previous = None
         for k in range(args.syncs):
             adapters = _adapters(cfg, spec, seed=k)
-            merged = merge_adapters({**base, **adapters}, spec.scale)
             t0 = time.perf_counter()
-            merge_adapters({**base, **adapters}, spec.scale)
+            merged = merge_adapters({**base, **adapters}, spec.scale)
             merge_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             merged_engine.load_weights(merged, version=k)
@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             got_l = loop.run_until_complete(_complete(lora_server, f"a{k}", prompts, args.tokens, stops))
             gen_l = time.perf_counter() - t0
-            ref = load_hf_checkpoint(args.model).double()
             ref.load_state_dict({n: t.double() for n, t in merged.items()})
             same = sum(a[0] == b[0] for a, b in zip(got_m, got_l))
             diff_ml, err_m, err_l = 0.0, 0.0, 0.0

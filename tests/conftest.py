@@ -250,3 +250,15 @@ def torchrun():
 def process_tree():
     """:func:`run_process_tree` as a fixture: for tests that start a script which itself launches processes."""
     return run_process_tree
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-rank gloo process group in this process for the test's duration (an engine built in the test itself)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

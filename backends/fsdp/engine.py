@@ -230,17 +230,11 @@ class FSDPEngine(Engine):
     def _vl_inputs(self, view: ShareView, mb: list[int]) -> tuple[torch.Tensor, dict]:
         """A vision-language micro-batch's [3, T] positions and its images (pixel_values, image_grid_thw) in
         sample order; a sample without images contributes text positions only."""
-        from backends.model.vision import packed_mrope_positions
+        from backends.model.vision import packed_vl_inputs
 
-        vl = self.config.vision
-        grids = [view.image_grid_thw[i] for i in mb] if view.image_grid_thw is not None else [None] * len(mb)
-        pos = packed_mrope_positions([view.input_ids[i] for i in mb], grids, vl.image_token_id,
-                                     vl.vision.spatial_merge_size).to(self.device)
-        with_images = [i for i, g in zip(mb, grids) if g is not None and g.numel()]
-        if not with_images:
-            return pos, {}
-        return pos, {"pixel_values": torch.cat([view.pixel_values[i] for i in with_images]).to(self.device),
-                     "image_grid_thw": torch.cat([view.image_grid_thw[i] for i in with_images])}
+        images = [(view.pixel_values[i], view.image_grid_thw[i]) for i in mb] \
+            if view.image_grid_thw is not None else [None] * len(mb)
+        return packed_vl_inputs(self.config.vision, [view.input_ids[i] for i in mb], images, self.device)
 
     def _padded(self, rows: list[torch.Tensor], dtype=torch.float32) -> torch.Tensor:
         """Right-padded [m, L] of the rows, built on the host and copied to the device once."""

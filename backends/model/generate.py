@@ -78,15 +78,11 @@ def _prefill(model: LlamaModel, prompts: list[list[int]], cache: KVCache, device
     cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
     rows = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
     if hasattr(model, "visual"):  # multimodal positions [3, T]; the images' features at their tokens
-        from backends.model.vision import packed_mrope_positions
+        from backends.model.vision import packed_vl_inputs
 
-        images = images or [None] * len(prompts)
-        seqs = [torch.tensor(p) for p in prompts]
-        rope = packed_mrope_positions(seqs, [im[1] if im else None for im in images], model.vl.image_token_id,
-                                      model.vl.vision.spatial_merge_size).to(device)
-        with_images = [im for im in images if im is not None]
-        x = model.embed(ids, torch.cat([im[0] for im in with_images]).to(device) if with_images else None,
-                        torch.cat([im[1] for im in with_images]) if with_images else None)
+        rope, extra = packed_vl_inputs(model.vl, [torch.tensor(p) for p in prompts], images or [None] * len(prompts),
+                                       device)
+        x = model.embed(ids, **extra)
         cache.delta = torch.stack([rope[:, a:b].max() + 1 - (b - a) for a, b in zip(cu[:-1].tolist(),
                                                                                       cu[1:].tolist())])
         cos, sin = model.rotary(rope, x.dtype)

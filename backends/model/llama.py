@@ -195,12 +195,14 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                attention: AttentionFn | None = None, logits_positions: torch.Tensor | None = None) -> torch.Tensor:
+                attention: AttentionFn | None = None, logits_positions: torch.Tensor | None = None,
+                **inputs: torch.Tensor) -> torch.Tensor:
         """Logits [T, V], or [len(logits_positions), V] at just those packed positions (saves the output
-        projection where no log-prob is needed); ``attention`` replaces the packed attention (sequence parallel)."""
+        projection where no log-prob is needed); ``attention`` replaces the packed attention (sequence parallel).
+        ``inputs``: what a subclass's :meth:`hidden_states` reads besides the tokens (a vision model's images)."""
         if attention is None and input_ids.dim() == 1:
             check_cu_seqlens(cu_seqlens, input_ids.shape[0])
-        h = self.hidden_states(input_ids, position_ids, cu_seqlens, attention)
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, attention, **inputs)
         if logits_positions is not None:
             h = h.index_select(0, logits_positions.to(h.device))
         if self.cfg.tie_word_embeddings:

@@ -26,14 +26,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backends.model.attention import check_cu_seqlens
 from backends.model.config import ModelConfig
 from backends.model.hf import HFCheckpointError, check_weights, config_from_hf, read_weight_files
 from backends.model.llama import AttentionFn, LlamaModel, RMSNorm, apply_rotary, rope_inv_freq
 
 __all__ = ["VisionConfig", "VLConfig", "VisionTower", "VLModel", "patch_positions", "frame_cu_seqlens",
-           "window_order", "mrope_positions", "mrope_cos_sin", "read_vl_config", "vl_name", "vl_state_dict", "load_vl_checkpoint",
-           "packed_mrope_positions"]
+           "window_order", "mrope_positions", "packed_vl_inputs", "mrope_cos_sin", "read_vl_config", "vl_name",
+           "vl_state_dict", "load_vl_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,8 @@ class VLConfig:
 
     def __post_init__(self) -> None:
         if sum(self.mrope_section) != self.text.head_dim // 2:
-            raise HFCheckpointError(f"rope_parameters.mrope_section={list(self.mrope_section)} must sum to head_dim / 2 "
-                                    f"= {self.text.head_dim // 2}")
+            raise HFCheckpointError(f"rope_parameters.mrope_section={list(self.mrope_section)} must sum to "
+                                    f"head_dim / 2 = {self.text.head_dim // 2}")
         if self.vision.out_hidden_size != self.text.hidden_size:
             raise HFCheckpointError(f"vision_config.hidden_size={self.vision.out_hidden_size} must equal the "
                                     f"decoder's hidden_size={self.text.hidden_size}")
@@ -153,9 +152,13 @@ def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grid_thw: torc
     out = torch.empty(3, len(ids), dtype=torch.long)
     pos = i = g = 0
     while i < len(ids):
-        if ids[i] != image_token_id:
-            out[:, i] = pos
-            pos, i = pos + 1, i + 1
+        if ids[i] != image_token_id:  # a text run: one position per token, the same on the three rows
+            try:
+                j = ids.index(image_token_id, i)
+            except ValueError:
+                j = len(ids)
+            out[:, i:j] = torch.arange(pos, pos + j - i)
+            pos, i = pos + j - i, j
             continue
         if g >= len(grids):
             raise ValueError(f"image token at position {i} beyond the {len(grids)} image(s) of the sequence")
@@ -175,13 +178,21 @@ def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grid_thw: torc
     return out
 
 
-def packed_mrope_positions(rows: list[torch.Tensor], grids: list[torch.Tensor | None], image_token_id: int,
-                           merge: int) -> torch.Tensor:
-    """[3, T] positions of a packed batch: each sequence's :func:`mrope_positions` (its own images' grids, or
-    none), concatenated."""
-    return torch.cat([mrope_positions(ids, image_token_id,
-                                      g if g is not None else torch.zeros(0, 3, dtype=torch.long), merge)
-                      for ids, g in zip(rows, grids)], dim=1)
+def packed_vl_inputs(cfg: VLConfig, rows: list[torch.Tensor],
+                     images: list[tuple[torch.Tensor, torch.Tensor] | None], device: torch.device | str = "cpu"
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A packed batch's [3, T] positions (each sequence's :func:`mrope_positions`) and the keywords that give
+    :class:`VLModel` its images (``pixel_values``, ``image_grid_thw``: the sequences' images in order; none when no
+    sequence has one). ``images[i]``: sequence i's ``(pixel_values [N, patch_dim], image_grid_thw [k, 3])``, or
+    None."""
+    none = torch.zeros(0, 3, dtype=torch.long)
+    pos = torch.cat([mrope_positions(ids, cfg.image_token_id, im[1] if im is not None else none,
+                                     cfg.vision.spatial_merge_size) for ids, im in zip(rows, images)], dim=1)
+    present = [im for im in images if im is not None and im[1].numel()]
+    if not present:
+        return pos.to(device), {}
+    return pos.to(device), {"pixel_values": torch.cat([im[0] for im in present]).to(device),
+                            "image_grid_thw": torch.cat([im[1] for im in present])}
 
 
 def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, int, int],
@@ -330,8 +341,8 @@ class VisionTower(nn.Module):
 # ---------------------------------------------------------------------------------------------------- the policy
 class VLModel(LlamaModel):
     """The decoder with a vision tower: ``forward(input_ids [T], position_ids [3, T], cu_seqlens, pixel_values=None,
-    image_grid_thw=None)``; the images' features (in the order of their image tokens in the packed batch) replace
-    the image tokens' embeddings."""
+    image_grid_thw=None)`` (:meth:`LlamaModel.forward`, the images handed to :meth:`hidden_states`); the images'
+    features (in the order of their image tokens in the packed batch) replace the image tokens' embeddings."""
 
     def __init__(self, cfg: VLConfig) -> None:
         super().__init__(cfg.text)
@@ -365,17 +376,6 @@ class VLModel(LlamaModel):
                              f"{tuple(position_ids.shape)}")
         x = self.embed(input_ids, pixel_values, image_grid_thw)
         return self.run_layers(x, position_ids, cu_seqlens, attention)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                attention: AttentionFn | None = None, logits_positions: torch.Tensor | None = None,
-                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        if attention is None:
-            check_cu_seqlens(cu_seqlens, input_ids.shape[0])
-        h = self.hidden_states(input_ids, position_ids, cu_seqlens, attention, pixel_values, image_grid_thw)
-        if logits_positions is not None:
-            h = h.index_select(0, logits_positions.to(h.device))
-        return F.linear(h, self.output_weight())
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face folders

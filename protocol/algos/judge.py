@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,6 @@ DEFAULT_TEMPLATE = ("Rate how well the response answers the question, from 0 (wr
 NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _NUMBER = re.compile(NUMBER)
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 Parser = Literal["last_number", "first_number", "regex"]
 
@@ -129,9 +127,9 @@ def judge_folder(cfg: JudgeConfig, policy_hf_path: str | None) -> str:
 
 def judge_tokenizer_source(folder: str, policy_tokenizer: str | None, policy_hf_path: str | None) -> str:
     """The judge folder when it holds tokenizer files, else the policy's tokenizer (``data.tokenizer``)."""
-    from protocol.rollout.tokenizer import resolve_tokenizer
+    from protocol.rollout.tokenizer import has_tokenizer_files, resolve_tokenizer
 
-    if os.path.isdir(folder) and set(os.listdir(folder)) & set(_TOKENIZER_FILES):
+    if has_tokenizer_files(folder):
         return folder
     return resolve_tokenizer(policy_tokenizer, policy_hf_path)
 

@@ -317,12 +317,9 @@ class RLHFDataset:
 
     def _process(self, row: Mapping[str, Any], where: str) -> tuple[list[int], dict[str, Any]]:
         """A vision-language row's prompt ids and processed images (its ``multi_modal_data`` images opened)."""
-        from protocol.rollout.images import open_image
+        from protocol.rollout.images import open_images
 
-        entries = (row.get("multi_modal_data") or {}).get("image") or []
-        if isinstance(entries, (str, bytes, Mapping)):
-            entries = [entries]
-        images = [open_image(e, f"{where}, images[{i}]") for i, e in enumerate(entries)]
+        images = open_images((row.get("multi_modal_data") or {}).get("image"), where)
         return self.processor(row["raw_prompt"], images, where)
 
     def __len__(self) -> int:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ImageError", "IMAGE_PLACEHOLDER", "open_image", "row_images", "count_placeholders",
+__all__ = ["ImageError", "IMAGE_PLACEHOLDER", "open_image", "open_images", "count_placeholders",
            "replace_placeholders", "image_token_counts", "expand_image_tokens", "VisionProcessor"]
 
 #: how a verl-format prompt marks where an image goes
@@ -59,14 +59,14 @@ def open_image(item: Any, where: str) -> Any:
                      f"{type(item).__name__}")
 
 
-def row_images(row: Mapping[str, Any], where: str, key: str = "images") -> list[Any]:
-    """Every image of a row's ``key`` column, opened (none when the row has no such column or it is empty)."""
-    entries = row.get(key)
+def open_images(entries: Any, where: str) -> list[Any]:
+    """Every image of a row's ``images`` column (a list of entries, one entry, or None: no image), opened; an error
+    names ``where`` (the file and row) and the entry."""
     if entries is None:
         return []
     if isinstance(entries, (str, bytes, Mapping)) or not isinstance(entries, Sequence):
         entries = [entries]
-    return [open_image(item, f"{where}, {key}[{i}]") for i, item in enumerate(entries)]
+    return [open_image(item, f"{where}, images[{i}]") for i, item in enumerate(entries)]
 
 
 def count_placeholders(prompt: Any) -> int:
@@ -120,7 +120,10 @@ class VisionProcessor:
             raise ImageError(f"the tokenizer reads {image_pad!r} as {len(ids)} tokens; the vision tokens must be "
                              "special tokens of the policy's tokenizer")
         self.pad_id = ids[0]
-        self.merge = int(getattr(image_processor, "merge_size", 2))
+        if not isinstance(getattr(image_processor, "merge_size", None), int):
+            raise ImageError(f"the image processor {type(image_processor).__name__} has no merge_size; a "
+                             "Qwen2-VL-family image processor says how many patches one image token merges")
+        self.merge = image_processor.merge_size
 
     def __call__(self, messages: Any, images: Sequence[Any], where: str) -> tuple[list[int], dict[str, Any]]:
         msgs = replace_placeholders(messages, self.vision_text, len(images), where)

@@ -54,6 +54,8 @@ __all__ = [
     "stop_token_ids",
     "check_vocab_fits",
     "decode_response",
+    "TOKENIZER_FILES",
+    "has_tokenizer_files",
 ]
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -417,6 +419,15 @@ def resolve_tokenizer(tokenizer: str | None, hf_path: str | None) -> str:
     return os.fspath(hf_path) if hf_path else "char"
 
 
+#: the files a Hugging Face tokenizer folder holds (any one of them)
+TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"})
+
+
+def has_tokenizer_files(path: str | os.PathLike) -> bool:
+    """Whether the folder ``path`` holds a Hugging Face tokenizer."""
+    return os.path.isdir(path) and bool(TOKENIZER_FILES & set(os.listdir(path)))
+
+
 def load_tokenizer(cfg_or_path: Any = "char") -> Any:
     """The tokenizer named by ``cfg_or_path``.
 
@@ -448,8 +459,7 @@ def load_tokenizer(cfg_or_path: Any = "char") -> Any:
                 f"data.tokenizer={text!r} is a Hugging Face tokenizer directory, which needs the 'transformers' "
                 f"package (not installed); install it or set data.tokenizer=char"
             ) from None
-        files = set(os.listdir(text))
-        if not files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
+        if not has_tokenizer_files(text):
             raise TokenizerError(f"data.tokenizer={text!r}: the folder has no tokenizer files (tokenizer.json, "
                                  f"tokenizer_config.json, ...); point data.tokenizer at a Hugging Face tokenizer "
                                  f"folder or set it to 'char'")

@@ -123,12 +123,9 @@ def test_reward_model_config_errors_are_one_line_naming_the_key_at_load(tmp_path
 
 
 
-def test_one_rank_reward_model_engine_scores_as_the_model(tmp_path):
+def test_one_rank_reward_model_engine_scores_as_the_model(tmp_path, one_rank_group):
     """The FSDP reward-model engine on a single rank (a sharded folder read whole): the model's scores, a padding
     sample 0, each score at the last policy token of its ``rm_scores`` row."""
-    import socket
-
-    import torch.distributed as dist
     from tensordict import TensorDict
 
     from backends.base import Share
@@ -143,15 +140,8 @@ def test_one_rank_reward_model_engine_scores_as_the_model(tmp_path):
     masks = [torch.ones(max(1, len(r) - 2), dtype=torch.long) for r in rows]
     data = TensorDict({"input_ids": to_nested(rows), "response_mask": to_nested(masks),
                        "is_padding": torch.tensor([False, False, True, False, False])}, batch_size=[len(rows)])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        eng = FSDPRewardModelEngine(EngineConfig(model=read_reward_config(str(folder))), micro_batch_size=2)
-        out = eng.infer_batch(Share(data, [[0, 1, 2], [3, 4]]))
-    finally:
-        dist.destroy_process_group()
+    eng = FSDPRewardModelEngine(EngineConfig(model=read_reward_config(str(folder))), micro_batch_size=2)
+    out = eng.infer_batch(Share(data, [[0, 1, 2], [3, 4]]))
     with torch.no_grad():
         want = torch.where(data["is_padding"], 0.0, ref(*_packed(rows)))
     torch.testing.assert_close(out["scores"], want, rtol=1e-5, atol=1e-5)
@@ -159,14 +149,12 @@ def test_one_rank_reward_model_engine_scores_as_the_model(tmp_path):
         assert float(row[-1]) == float(score) and int((row[:-1] != 0).sum()) == 0
 
 
-def test_retokenized_trajectories_score_as_transformers_reads_them_in_its_chat_template(tmp_path):
+def test_retokenized_trajectories_score_as_transformers_reads_them_in_its_chat_template(tmp_path,
+                                                                                         one_rank_group):
     """``reward.model.retokenize``: prompt messages + a decoded response rendered in the reward model's own ChatML
     template (a BPE vocabulary the policy's char ids know nothing of) are the ids transformers' tokenizer makes of
     the same conversation, and the one-rank engine fed them scores as transformers' classifier does; each score
     still lands at the last policy token of the policy's response row."""
-    import socket
-
-    import torch.distributed as dist
     from tensordict import TensorDict
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -200,15 +188,8 @@ def test_retokenized_trajectories_score_as_transformers_reads_them_in_its_chat_t
         own.append(torch.tensor(ids))
     data = TensorDict({"input_ids": to_nested(policy_rows), "response_mask": to_nested(masks)},
                       batch_size=[len(policy_rows)])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        eng = FSDPRewardModelEngine(EngineConfig(model=read_reward_config(str(folder))))
-        out = eng.infer_batch(Share(data, [[0, 1], [2]]), input_ids=own)
-    finally:
-        dist.destroy_process_group()
+    eng = FSDPRewardModelEngine(EngineConfig(model=read_reward_config(str(folder))))
+    out = eng.infer_batch(Share(data, [[0, 1], [2]]), input_ids=own)
     theirs = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32,
                                                                 attn_implementation="eager").eval()
     with torch.no_grad():

@@ -153,49 +153,39 @@ def _vl_share(ours, cases, pad: bool):
     return data, ids, pixels, grids
 
 
-def test_fsdp_engine_log_probs_with_images_equal_the_model_for_any_micro_batch_split(tmp_path):
+def test_fsdp_engine_log_probs_with_images_equal_the_model_for_any_micro_batch_split(tmp_path, one_rank_group):
     """The FSDP engine (one rank) on a Qwen2.5-VL folder: log-probs of a share mixing 2, 1 and 0 images and a
     padding sample equal the model's for each sequence on its own, whatever the micro-batch split; one training
     step moves the vision tower too (its gradients come through the image features), and with
     ``freeze_vision_tower`` the same step moves the decoder only."""
     import dataclasses
-    import socket
-
-    import torch.distributed as dist
 
     from backends.base import Share
     from backends.config import EngineConfig, OptimConfig
     from backends.fsdp.engine import FSDPEngine
+    from protocol.batch.nested import to_nested
 
     _tiny_vl(tmp_path / "vl", family="qwen2_5_vl")
     ours = load_vl_checkpoint(str(tmp_path / "vl"))
     cases = [([5, 6, 7, 8, 9], [(1, 2, 6), (1, 6, 4)]), ([10, 11, 12], [(1, 4, 4)]), ([13, 14, 15, 16], [])]
     data, ids, pixels, grids = _vl_share(ours, cases, pad=True)
     want = reference_logprobs(ours, ids, pixels, grids)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        cfg = EngineConfig(model=ours.vl.text, vision=ours.vl, optim=OptimConfig(name="sgd", lr=0.5))
-        eng = FSDPEngine(cfg)
-        for split in ([[0, 1, 2, 3]], [[0], [1], [2], [3]], [[3, 1], [0, 2]]):
-            got = eng.infer_batch(Share(data, split))["log_probs"].unbind()
-            for i in range(3):
-                torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
-        before = {n: p.detach().full_tensor().clone() for n, p in eng.model.named_parameters()}
-        train = data.clone()
-        train["old_log_probs"] = eng.infer_batch(Share(data, [[0, 1, 2, 3]]))["log_probs"]
-        from protocol.batch.nested import to_nested
-        train["advantages"] = to_nested([torch.full((3,), a) for a in (1.0, -1.0, 0.5, 0.0)])
-        metrics = eng.train_batch(Share(train, [[0, 1], [2, 3]]))
-        after = {n: p.detach().full_tensor() for n, p in eng.model.named_parameters()}
-        frozen = FSDPEngine(dataclasses.replace(cfg, freeze_vision_tower=True))  # the same step, the tower frozen
-        start = {n: p.detach().full_tensor().clone() for n, p in frozen.model.named_parameters()}
-        frozen.train_batch(Share(train, [[0, 1], [2, 3]]))
-        frozen_moved = {n for n, p in frozen.model.named_parameters() if not torch.equal(start[n], p.full_tensor())}
-    finally:
-        dist.destroy_process_group()
+    cfg = EngineConfig(model=ours.vl.text, vision=ours.vl, optim=OptimConfig(name="sgd", lr=0.5))
+    eng = FSDPEngine(cfg)
+    for split in ([[0, 1, 2, 3]], [[0], [1], [2], [3]], [[3, 1], [0, 2]]):
+        got = eng.infer_batch(Share(data, split))["log_probs"].unbind()
+        for i in range(3):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    before = {n: p.detach().full_tensor().clone() for n, p in eng.model.named_parameters()}
+    train = data.clone()
+    train["old_log_probs"] = eng.infer_batch(Share(data, [[0, 1, 2, 3]]))["log_probs"]
+    train["advantages"] = to_nested([torch.full((3,), a) for a in (1.0, -1.0, 0.5, 0.0)])
+    metrics = eng.train_batch(Share(train, [[0, 1], [2, 3]]))
+    after = {n: p.detach().full_tensor() for n, p in eng.model.named_parameters()}
+    frozen = FSDPEngine(dataclasses.replace(cfg, freeze_vision_tower=True))  # the same step, the tower frozen
+    start = {n: p.detach().full_tensor().clone() for n, p in frozen.model.named_parameters()}
+    frozen.train_batch(Share(train, [[0, 1], [2, 3]]))
+    frozen_moved = {n for n, p in frozen.model.named_parameters() if not torch.equal(start[n], p.full_tensor())}
     assert torch.isfinite(torch.tensor(metrics["pg_loss"])) and metrics["grad_norm"] > 0
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert any(n.startswith("visual.blocks.0.") for n in moved) and any(n.startswith("layers.0.") for n in moved)
@@ -287,6 +277,28 @@ def test_fsdp_engine_with_images_on_two_ranks(torchrun, tmp_path):
         assert out.count(check) == 2, out[-3000:]
 
 
+def _char_tokenizer():
+    """The char tokenizer over the tiny checkpoint's vocabulary (160 ids; eos 1)."""
+    from protocol.rollout.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    tok.vocab_size, tok.eos_token_id = 160, 1
+    return tok
+
+
+def _vl_engine(tmp_path):
+    """A tiny Qwen2.5-VL folder, its model, and an embedded rollout engine holding its weights."""
+    from backends.model.hf import read_weight_files
+    from backends.model.vision import vl_state_dict
+    from backends.rollout import EmbeddedEngine
+
+    _tiny_vl(tmp_path / "vl", family="qwen2_5_vl")
+    ours = load_vl_checkpoint(str(tmp_path / "vl"))
+    engine = EmbeddedEngine(ours.vl, _char_tokenizer(), seed=0)
+    engine.load_weights(vl_state_dict(read_weight_files(str(tmp_path / "vl")), ours.vl), version=1)
+    return ours, engine
+
+
 def test_the_embedded_engine_samples_with_images_and_in_chunks(tmp_path):
     """The embedded rollout engine on a Qwen2.5-VL policy (weights pushed from the folder): concurrent requests with
     2, 1 and 0 images give the model's own greedy tokens and log-probs, and a partial rollout in 3-token chunks
@@ -294,23 +306,11 @@ def test_the_embedded_engine_samples_with_images_and_in_chunks(tmp_path):
     hands a prompt's images to it; an engine of a text policy refuses images."""
     import asyncio
 
-    from backends.model.generate import generate
-    from backends.model.hf import read_weight_files
-    from backends.model.vision import vl_state_dict
-    from backends.rollout import EmbeddedEngine, RolloutError, VersionedGenerate
     from backends.model.config import ModelConfig
-    from protocol.rollout.tokenizer import CharTokenizer
+    from backends.model.generate import generate
+    from backends.rollout import EmbeddedEngine, RolloutError, VersionedGenerate
 
-    _tiny_vl(tmp_path / "vl", family="qwen2_5_vl")
-    ours = load_vl_checkpoint(str(tmp_path / "vl"))
-
-    class Tok(CharTokenizer):  # the vocabulary of the tiny checkpoint (160 ids; eos 1)
-        def __init__(self):
-            super().__init__()
-            self.vocab_size, self.eos_token_id = 160, 1
-
-    engine = EmbeddedEngine(ours.vl, Tok(), seed=0)
-    engine.load_weights(vl_state_dict(read_weight_files(str(tmp_path / "vl")), ours.vl), version=1)
+    ours, engine = _vl_engine(tmp_path)
     cases = [([5, 6, 7, 8, 9], [(1, 2, 6), (1, 6, 4)]), ([10, 11, 12], [(1, 4, 4)]), ([13, 14, 15, 16], [])]
     ids, _, pixels, grids = vl_rows(ours.vl.vision.patch_dim, cases)
     prompts = [x.tolist()[:-3] for x in ids]
@@ -333,7 +333,7 @@ def test_the_embedded_engine_samples_with_images_and_in_chunks(tmp_path):
     loop = SingleTurnAgentLoop(VersionedGenerate(engine), max_response_length=7)
     (out,) = asyncio.run(loop.run(prompts[0], params, images=images[0]))
     assert list(out.response_ids) == want[0][0], "the agent loop hands the prompt's images to the engine"
-    text = EmbeddedEngine(ModelConfig(vocab_size=160), Tok(), seed=0)
+    text = EmbeddedEngine(ModelConfig(vocab_size=160), _char_tokenizer(), seed=0)
     with pytest.raises(RolloutError, match="no vision tower"):
         text.generate_batch([prompts[2]], params, images=[images[0]])
 
@@ -345,25 +345,13 @@ def test_groups_with_images_reach_the_store_with_their_images(tmp_path):
     import asyncio
 
     from backends.model.generate import generate
-    from backends.model.hf import read_weight_files
-    from backends.model.vision import vl_state_dict
-    from backends.rollout import EmbeddedEngine, VersionedGenerate
+    from backends.rollout import VersionedGenerate
     from protocol.rollout.agent_loop import run_groups
     from protocol.rollout.agent_loop.single_turn import SingleTurnAgentLoop
-    from protocol.rollout.tokenizer import CharTokenizer
     from protocol.store import LocalStore
     from protocol.store.keys import uid_of
 
-    _tiny_vl(tmp_path / "vl", family="qwen2_5_vl")
-    ours = load_vl_checkpoint(str(tmp_path / "vl"))
-
-    class Tok(CharTokenizer):
-        def __init__(self):
-            super().__init__()
-            self.vocab_size, self.eos_token_id = 160, 1
-
-    engine = EmbeddedEngine(ours.vl, Tok(), seed=0)
-    engine.load_weights(vl_state_dict(read_weight_files(str(tmp_path / "vl")), ours.vl), version=1)
+    ours, engine = _vl_engine(tmp_path)
     cases = [([5, 6, 7], [(1, 2, 6)]), ([10, 11, 12], []), ([13, 14], [(1, 4, 4), (1, 2, 2)])]
     ids, _, pixels, grids = vl_rows(ours.vl.vision.patch_dim, cases)
     prompts = [x.tolist()[:-3] for x in ids]

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from protocol.rollout.images import (ImageError, count_placeholders, expand_image_tokens, image_token_counts,
-                                     open_image, replace_placeholders, row_images)
+                                     open_image, open_images, replace_placeholders)
 
 
 def _png(h: int, w: int, seed: int = 0) -> bytes:
@@ -28,14 +28,14 @@ def test_images_open_from_bytes_paths_and_records_and_bad_ones_are_named(tmp_pat
     path = tmp_path / "a.png"
     path.write_bytes(data)
     row = {"images": [data, str(path), {"bytes": data, "path": None}, {"bytes": None, "path": str(path)}]}
-    images = row_images(row, "train.parquet row 3")
+    images = open_images(row["images"], "train.parquet row 3")
     assert [im.size for im in images] == [(7, 5)] * 4 and all(im.mode == "RGB" for im in images)
     assert np.array_equal(np.asarray(images[0]), np.asarray(images[1]))
-    assert row_images({"prompt": "no images"}, "row 0") == []
+    assert open_images(None, "row 0") == []
     with pytest.raises(ImageError, match=r"train.parquet row 3, images\[1\]: image file '.*missing.png' not found"):
-        row_images({"images": [data, str(tmp_path / "missing.png")]}, "train.parquet row 3")
+        open_images([data, str(tmp_path / "missing.png")], "train.parquet row 3")
     with pytest.raises(ImageError, match=r"row 4, images\[0\]: the image \(5 bytes\) cannot be read"):
-        row_images({"images": [b"trunc"]}, "row 4")
+        open_images([b"trunc"], "row 4")
     with pytest.raises(ImageError, match="neither 'bytes' nor 'path'"):
         open_image({"bytes": None, "path": None}, "row 5")
 

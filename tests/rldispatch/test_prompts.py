@@ -54,14 +54,11 @@ def test_too_small_a_training_set_is_named():
         _stream(64).take(1)
 
 
-def test_rows_with_images_are_refused_by_a_text_only_trainer(tmp_path):
+def test_rows_with_images_are_refused_by_a_text_only_trainer(tmp_path, one_rank_group):
     """A verl-format parquet with an ``images`` column: the trainer stops at load naming the file key and the row,
     instead of training on prompts whose images it would drop."""
-    import socket
-
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import torch.distributed as dist
 
     from protocol.rollout.tokenizer import CharTokenizer
     from rldispatch.config import ConfigError, load_config
@@ -76,12 +73,5 @@ def test_rows_with_images_are_refused_by_a_text_only_trainer(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "val.parquet")
     cfg = load_config("grpo_tiny", [f"data.train_files=[{tmp_path}/train.parquet]", "data.train_batch_size=4",
                                     "actor.ppo_mini_batch_size=4", f"data.val_files=[{tmp_path}/val.parquet]"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        with pytest.raises(ConfigError, match=r"data.val_files: row 2 carries \['image'\] \(multi_modal_data\)"):
-            load_datasets(cfg, CharTokenizer(), is_main=True)
-    finally:
-        dist.destroy_process_group()
+    with pytest.raises(ConfigError, match=r"data.val_files: row 2 carries \['image'\] \(multi_modal_data\)"):
+        load_datasets(cfg, CharTokenizer(), is_main=True)
