@@ -20,7 +20,8 @@ import torch
 __all__ = [
     "Field", "FIELDS", "LengthKind", "Stage", "names",
     "PROMPT_FIELDS", "SEQUENCE_FIELDS", "RESPONSE_FIELDS", "MASK_FIELDS", "MASKED_ZERO_FIELDS", "DENSE_FIELDS",
-    "INT_FIELDS", "FLOAT_FIELDS", "INFER_INPUT_FIELDS", "TRAIN_INPUT_FIELDS",
+    "INT_FIELDS", "FLOAT_FIELDS", "INFER_INPUT_FIELDS", "TRAIN_INPUT_FIELDS", "PIXEL_VALUES", "IMAGE_GRID_THW",
+    "PROMPT_IMAGE_FIELDS",
 ]
 
 LengthKind = Literal["prompt", "response", "seq", "sample"]
@@ -91,3 +92,8 @@ FLOAT_FIELDS = names(dtype=torch.float32, jagged=True)
 #: what an engine reads to compute log-probs, and additionally to train
 INFER_INPUT_FIELDS: tuple[str, ...] = ("input_ids", "response_mask")
 TRAIN_INPUT_FIELDS: tuple[str, ...] = (*INFER_INPUT_FIELDS, "old_log_probs", "advantages")
+#: a vision-language prompt's images, stored once on its prompt key ``{uid}`` (not per trajectory) and handed to an
+#: engine per sample: the patches flattened ([N * patch_dim], float32) and the images' (t, h, w) flattened ([k * 3],
+#: int64), the image processor's ``pixel_values`` / ``image_grid_thw``
+PIXEL_VALUES, IMAGE_GRID_THW = "multi_modal_inputs.pixel_values", "multi_modal_inputs.image_grid_thw"
+PROMPT_IMAGE_FIELDS: tuple[str, ...] = (PIXEL_VALUES, IMAGE_GRID_THW)

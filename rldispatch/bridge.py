@@ -12,11 +12,13 @@ import torch
 from tensordict import TensorDict
 
 from backends.base import Engine, Share
-from protocol.fields import INFER_INPUT_FIELDS, TRAIN_INPUT_FIELDS
+from protocol.batch.nested import to_nested
+from protocol.fields import IMAGE_GRID_THW, INFER_INPUT_FIELDS, PIXEL_VALUES, PROMPT_IMAGE_FIELDS, TRAIN_INPUT_FIELDS
+from protocol.store.keys import group_of
 from protocol.store.meta import KVBatchMeta
 from rldispatch.dataplane import ShardedStore
 
-__all__ = ["StoreBridge", "INFER_FIELDS", "train_fields"]
+__all__ = ["StoreBridge", "INFER_FIELDS", "train_fields", "prompt_images"]
 
 INFER_FIELDS = INFER_INPUT_FIELDS
 
@@ -28,12 +30,29 @@ def train_fields(use_kl_loss: bool, use_is_weights: bool = False) -> tuple[str, 
         + (("rollout_is_weights",) if use_is_weights else ())
 
 
-class StoreBridge:
-    """Binds one engine to the data plane. Every rank calls each method (the fetch is a collective)."""
+def prompt_images(store: ShardedStore, meta: KVBatchMeta) -> dict[str, torch.Tensor]:
+    """Each sample's images, read from its prompt key (a group's images are stored once there): the share fields
+    ``PIXEL_VALUES`` / ``IMAGE_GRID_THW`` (jagged; empty for a sample whose tag has no ``vision_spans``, padding
+    samples included). A collective: every rank calls it, each with its own ``meta``."""
+    owners = [group_of(k) if t.get("vision_spans") else None for k, t in zip(meta.keys, meta.tags)]
+    uids = sorted({u for u in owners if u is not None})
+    got = store.fetch(uids, meta.partition_id, PROMPT_IMAGE_FIELDS)
+    rows = {name: dict(zip(uids, got.get(name).unbind(0))) if uids else {} for name in PROMPT_IMAGE_FIELDS}
+    empty = {PIXEL_VALUES: torch.zeros(0, dtype=torch.float32), IMAGE_GRID_THW: torch.zeros(0, dtype=torch.int64)}
+    return {name: to_nested([rows[name][u] if u is not None else empty[name] for u in owners])
+            for name in PROMPT_IMAGE_FIELDS}
 
-    def __init__(self, engine: Engine, store: ShardedStore):
+
+class StoreBridge:
+    """Binds one engine to the data plane. Every rank calls each method (the fetch is a collective).
+
+    ``images``: the engine is a vision-language policy; every fetch adds each sample's images
+    (:func:`prompt_images`)."""
+
+    def __init__(self, engine: Engine, store: ShardedStore, images: bool = False):
         self.engine = engine
         self.store = store
+        self.images = images
 
     def fetch_infer_inputs(self, meta: KVBatchMeta, wants: Sequence[Sequence[str]] | None = None) -> TensorDict:
         """The fields ``infer_batch`` reads, fetched once so several engines can score the same share.
@@ -43,11 +62,16 @@ class StoreBridge:
 
     def _fetch(self, meta: KVBatchMeta, fields: Sequence[str], wants: Sequence[Sequence[str]] | None) -> TensorDict:
         if wants is None:
-            return self.store.fetch(meta.keys, meta.partition_id, fields)
-        if list(wants[self.store.rank]) != meta.keys:
+            data = self.store.fetch(meta.keys, meta.partition_id, fields)
+        elif list(wants[self.store.rank]) != meta.keys:
             raise ValueError(f"planned fetch: this rank's {len(meta)} keys are not its entry of wants "
                              f"({len(wants[self.store.rank])} keys)")
-        return self.store.fetch_planned(wants, meta.partition_id, fields)
+        else:
+            data = self.store.fetch_planned(wants, meta.partition_id, fields)
+        if self.images:
+            for name, value in prompt_images(self.store, meta).items():
+                data.set(name, value)
+        return data
 
     def infer(self, meta: KVBatchMeta, micro_batches: Sequence[Sequence[int]], *, outputs: dict[str, str],
               temperature: float = 1.0, with_entropy: bool = False, data: TensorDict | None = None) -> KVBatchMeta:

@@ -11,6 +11,7 @@ loops). Every error is a :class:`ConfigError` (topology and batch-settings error
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ class ActorConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    freeze_vision_tower: bool = False  # a vision-language policy: train the decoder (and merger) only
 
     @property
     def parallel(self) -> ParallelSection:
@@ -254,6 +256,7 @@ class RunConfig:
             megatron=self.actor.megatron, lora=self.actor.lora, seed=self.trainer.seed,
             max_token_len_per_gpu=self.actor.max_token_len_per_gpu if self.actor.use_dynamic_bsz else None,
             dist_timeout_s=self.trainer.dist_timeout_s, rollback_nonfinite=self.trainer.on_nonfinite == "skip",
+            vision=vision_config(self), freeze_vision_tower=self.actor.freeze_vision_tower,
         )
 
     def critic_engine_config(self) -> EngineConfig:
@@ -276,6 +279,43 @@ class RunConfig:
         return self.actor.parallel
 
 
+def vision_config(cfg: RunConfig) -> Any:
+    """The policy's :class:`~backends.model.vision.VLConfig` when ``model.hf_path`` is a vision-language folder
+    (Qwen2-VL or Qwen2.5-VL), else None."""
+    return _vision_of(cfg.model.hf_path) if cfg.model.hf_path else None
+
+
+@functools.lru_cache(maxsize=8)
+def _vision_of(path: str) -> Any:
+    from backends.model.vision import is_vl_folder, read_vl_config
+
+    return read_vl_config(path) if is_vl_folder(path) else None
+
+
+def _check_vision(cfg: RunConfig) -> None:
+    """A vision-language policy runs where its images reach every model call; elsewhere it is refused by key."""
+    if vision_config(cfg) is None:
+        if cfg.actor.freeze_vision_tower:
+            raise ConfigError(f"actor.freeze_vision_tower=true but model.hf_path={cfg.model.hf_path!r} is not a "
+                              f"vision-language folder (qwen2_vl / qwen2_5_vl); remove the key")
+        return
+    refused = [(cfg.actor.backend != "fsdp", f"actor.backend={cfg.actor.backend} (the Megatron engine has no vision "
+                                             f"tower; set actor.backend=fsdp)"),
+               (cfg.rollout.engine != "embedded", f"rollout.engine={cfg.rollout.engine} (images reach the embedded "
+                                                  f"engine only; set rollout.engine=embedded)"),
+               (cfg.actor.lora.rank > 0, "actor.lora.rank > 0 (set actor.lora.rank=0)"),
+               (cfg.actor.fsdp.ulysses_sp > 1, "actor.fsdp.ulysses_sp > 1 (set it to 1)"),
+               (cfg.trainer.mode == "separate_async", "trainer.mode=separate_async (its transport carries no "
+                                                      "prompt images yet; use sync or colocate_async)"),
+               (bool(cfg.critic.enabled), "a critic (algorithm.adv_estimator=gae / critic.enabled; use grpo)"),
+               (cfg.reward.model.enabled, "reward.model (a text reward model would score without the images)"),
+               (cfg.reward.judge.enable, "reward.judge (a text judge would answer without the images)")]
+    bad = [what for cond, what in refused if cond]
+    if bad:
+        raise ConfigError(f"model.hf_path={cfg.model.hf_path!r} is a vision-language policy, which is not built "
+                          f"with: {'; '.join(bad)} (docs/multimodal.md)")
+
+
 def _get(cfg: RunConfig, dotted: str) -> Any:
     obj: Any = cfg
     for part in dotted.split("."):
@@ -290,6 +330,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_reward(cfg)
     _check_data_section(cfg.data)
     _check_critic(cfg)
+    _check_vision(cfg)
     if cfg.actor.backend == "megatron":
         from backends.megatron.engine import check_engine_config
 
@@ -718,8 +759,9 @@ def _checkpoint_architecture(model: dict[str, Any], command_line: set[str], path
     hf_path = coerce_field(ModelConfig, "hf_path", model["hf_path"], "model")
     given = {f.name: coerce_field(ModelConfig, f.name, model[f.name], "model") for f in dataclasses.fields(ModelConfig)
              if f.name in _ARCHITECTURE_KEYS and f.name in model}
-    try:
-        found = read_hf_config(hf_path)
+    try:  # a vision-language folder: its decoder is the model section
+        vl = _vision_of(hf_path)
+        found = vl.text if vl is not None else read_hf_config(hf_path)
     except HFCheckpointError as exc:
         raise ConfigError(str(exc)) from exc
 

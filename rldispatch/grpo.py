@@ -43,7 +43,7 @@ from rldispatch.advantage import ADVANTAGE_FIELDS, advantages_on_owners
 from rldispatch.bridge import StoreBridge
 from rldispatch.checkpoints import Checkpoints, Resumed
 from rldispatch.collectives import check_digests, key_digest
-from rldispatch.config import RunConfig
+from rldispatch.config import RunConfig, vision_config
 from rldispatch.critic import CriticRole
 from rldispatch.dataplane import ShardedStore
 from rldispatch.gc_policy import StepGC
@@ -96,19 +96,21 @@ class GRPOTrainer:
         self.critic = CriticRole(cfg, self.topology, self.store) if cfg.critic.enabled else None
         self.reward_model = RewardModelRole(cfg, self.topology, self.store, self.tokenizer) \
             if cfg.reward.model.enabled else None
-        self.bridge = StoreBridge(self.engine, self.store)
-        self.ref_bridge = StoreBridge(self.ref_engine, self.store) if self.ref_engine is not None else None
+        vl = vision_config(cfg)  # a vision-language policy: every engine call gets the samples' images
+        self.bridge = StoreBridge(self.engine, self.store, images=vl is not None)
+        self.ref_bridge = StoreBridge(self.ref_engine, self.store, images=vl is not None) \
+            if self.ref_engine is not None else None
 
         schedule_cls = schedule_class(cfg.trainer.mode)
         # in separate_async the training ranks generate only validation (round robin, as in the other modes)
         holders = [self.topology.reporting_rank(d) for d in range(self.topology.dp_size)]
-        engine = build_rollout_engine(cfg.rollout.engine, cfg.model, self.tokenizer, device=ctx.device,
+        engine = build_rollout_engine(cfg.rollout.engine, vl or cfg.model, self.tokenizer, device=ctx.device,
                                       seed=cfg.trainer.seed, rank=self.dp_rank, generates=ctx.rank in holders,
                                       options=cfg.rollout)
         partial = cfg.rollout.partial_rollout if cfg.rollout.partial_rollout is not None else \
             schedule_cls.partial_rollout
         self.rollout = LocalRollout(cfg, engine, self.tokenizer, self.store, partial=partial, rank=self.dp_rank,
-                                    holders=holders, me=ctx.rank)
+                                    holders=holders, me=ctx.rank, vision=vl.vision if vl is not None else None)
         self.stream = PromptStream(self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
         # only the stop token that ended the response is dropped; other special tokens stay in the decoded text:
         # a scorer that never saw them would let the policy pad its answer with <|pad|> and still score full marks

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from dispatch import BatchSettings, DispatchPlan, INT_FIELDS, MiniBatchWork, PlanJob, Topology, WorkloadModel, \
     make_padding, padding_count, read_plan_tags
 from protocol.store.meta import KVBatchMeta
-from rldispatch.config import RunConfig
+from rldispatch.config import RunConfig, vision_config
 
 __all__ = ["batch_settings", "StepPlan", "StepPlanJob", "MiniBatchShare", "prepare_step_plan", "make_step_plan"]
 
@@ -36,7 +36,8 @@ def batch_settings(cfg: RunConfig, topology: Topology, step: int, *, inference: 
     balance                       actor.balance.enabled                    same
     small_ends                    the topology's pp > 1                    same
     workload                      actor.balance.hidden_size or             same
-                                  model.hidden_size
+                                  model.hidden_size (+ a vision-language
+                                  policy's tower: WorkloadModel.with_vision)
     ============================  =======================================  =============================
     """
     a = cfg.actor
@@ -52,8 +53,21 @@ def batch_settings(cfg: RunConfig, topology: Topology, step: int, *, inference: 
         group_partition=a.balance.group_level,
         balance=a.balance.enabled,
         small_ends=topology.pp > 1,
-        workload=WorkloadModel.from_hidden_size(hidden),
+        workload=_workload(cfg, hidden),
     )
+
+
+def _workload(cfg: RunConfig, hidden: int) -> WorkloadModel:
+    """The decoder's workload; a vision-language policy's adds its tower's cost per image patch and span."""
+    work = WorkloadModel.from_hidden_size(hidden)
+    vl = vision_config(cfg)
+    if vl is None:
+        return work
+    v = vl.vision
+    swiglu = v.family == "qwen2_5_vl"
+    return work.with_vision(width=v.embed_dim, mlp_matrices=3 if swiglu else 2,
+                            mlp_width=v.intermediate_size if swiglu else int(v.embed_dim * v.mlp_ratio),
+                            blocks=v.depth, decoder_layers=vl.text.num_layers)
 
 
 @dataclass

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from protocol.algos.reward import RewardError, needs_ground_truth
 from protocol.rollout.dataset import DatasetError, RLHFDataset
-from rldispatch.config import ConfigError, RunConfig
+from protocol.rollout.images import ImageError, VisionProcessor, load_image_processor
+from rldispatch.config import ConfigError, RunConfig, vision_config
 
 __all__ = ["PromptStream", "step_uids", "batch_indices", "load_datasets"]
 
@@ -35,23 +36,38 @@ def load_datasets(cfg: RunConfig, tokenizer: Any, is_main: bool) -> tuple[RLHFDa
     _ensure_data(cfg, is_main)
     d = cfg.data
     check = None if cfg.custom_reward_function.path else needs_ground_truth
+    processor = _vision_processor(cfg, tokenizer)
     sets = []
     for key in ("train_files", "val_files"):
         try:
             sets.append(RLHFDataset(getattr(d, key), tokenizer, d.max_prompt_length, prompt_key=d.prompt_key,
-                                    filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check))
-        except (DatasetError, RewardError) as exc:  # every rank reads the same files: all stop here alike
+                                    filter_overlong_prompts=d.filter_overlong_prompts, needs_ground_truth=check,
+                                    processor=processor))
+        except (DatasetError, RewardError, ImageError) as exc:  # every rank reads the same files: all stop alike
             raise ConfigError(f"data.{key}: {exc}") from exc
-        with_media = next((r for r in sets[-1].rows if r.get("multi_modal_data")), None)
-        if with_media is not None:  # a text-only policy would train on the prompt without what it refers to
+        readable = ("image",) if processor is not None else ()
+        with_media = next((r for r in sets[-1].rows if set(r.get("multi_modal_data") or ()) - set(readable)), None)
+        if with_media is not None:  # the policy would train on the prompt without what it refers to
             raise ConfigError(f"data.{key}: row {with_media['extra_info']['index']} carries "
-                              f"{sorted(with_media['multi_modal_data'])} (multi_modal_data); the trainer's policies "
-                              f"read text only so far (vision-language training: docs/multimodal.md), so rows with "
-                              f"images, videos or audio are refused rather than trained on without them")
+                              f"{sorted(with_media['multi_modal_data'])} (multi_modal_data); the policy "
+                              f"(model.hf_path={cfg.model.hf_path!r}) reads "
+                              f"{'text and images' if processor is not None else 'text only'} (vision-language "
+                              f"training: docs/multimodal.md), so such rows are refused rather than trained on "
+                              f"without what they carry")
     if len(sets[0]) < d.train_batch_size:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(sets[0])} usable rows of "
                           f"data.train_files {d.train_files}")
     return sets[0], sets[1]
+
+
+def _vision_processor(cfg: RunConfig, tokenizer: Any) -> VisionProcessor | None:
+    """A vision-language policy's processor (its folder's image processor and the run's tokenizer), else None."""
+    if vision_config(cfg) is None:
+        return None
+    try:
+        return VisionProcessor(load_image_processor(cfg.model.hf_path), tokenizer)
+    except ImageError as exc:
+        raise ConfigError(f"model.hf_path: {exc}") from exc
 
 
 def _ensure_data(cfg: RunConfig, is_main: bool) -> None:

@@ -8,11 +8,13 @@ import time
 from typing import Any, Sequence
 
 from backends.rollout import RolloutEngine, VersionedGenerate
-from protocol.rollout.agent_loop import build_agent_loop, builtin_tools, run_groups
+from protocol.fields import IMAGE_GRID_THW, PIXEL_VALUES
+from protocol.rollout.agent_loop import PromptInputs, build_agent_loop, builtin_tools, run_groups
 from rldispatch.config import RunConfig
 from rldispatch.faults import FaultInjectingLoop, fails
 
-__all__ = ["LocalRollout", "run_to_end", "session_kwargs", "prompt_owners", "TRAIN", "VAL", "DRIVE_SLICE_S"]
+__all__ = ["LocalRollout", "run_to_end", "session_kwargs", "prompt_inputs", "prompt_owners", "TRAIN", "VAL",
+           "DRIVE_SLICE_S"]
 
 TRAIN, VAL = "train", "val"
 #: how long an asynchronous schedule lets generation run between two looks at what finished (each look may be a
@@ -59,17 +61,37 @@ def session_kwargs(cfg: RunConfig, rows: Sequence[dict], uids: Sequence[str], pa
     return out
 
 
+def prompt_inputs(rows: Sequence[dict], vision: Any) -> list[PromptInputs | None] | None:
+    """What each row's group stores once: a vision-language row's images on its prompt key, and their attention
+    spans (``vision``: the policy's :class:`~backends.model.vision.VisionConfig`) as every trajectory's
+    ``vision_spans`` tag. None when no row has images."""
+    if not any(row.get("multi_modal_inputs") for row in rows):
+        return None
+    if vision is None:
+        raise ValueError("rows with images need the policy's vision tower (a vision-language model.hf_path)")
+    from backends.model.vision import attention_spans
+
+    out: list[PromptInputs | None] = []
+    for row in rows:
+        mm = row.get("multi_modal_inputs")
+        out.append(PromptInputs(
+            {PIXEL_VALUES: mm["pixel_values"].reshape(-1).float(), IMAGE_GRID_THW: mm["image_grid_thw"].reshape(-1)},
+            {"vision_spans": attention_spans(vision, mm["image_grid_thw"])}) if mm else None)
+    return out
+
+
 class LocalRollout:
     """Generates prompt groups into ``store`` on this rank: ``submit`` starts them (and waits, or leaves them
     running), ``drive`` lets running ones advance, ``cancel`` ends them.
 
     ``partial``: a response is generated ``rollout.partial_rollout_chunk`` tokens at a time, so a weight sync between
     chunks makes the rest use the new weights (partial rollout). ``rank`` seeds the sampling stream; ``holders`` and
-    ``me`` (this rank) say which prompts of a submission this rank generates (:meth:`mine`, :func:`prompt_owners`)."""
+    ``me`` (this rank) say which prompts of a submission this rank generates (:meth:`mine`, :func:`prompt_owners`);
+    ``vision``: a vision-language policy's tower config (its rows' images are stored once per group)."""
 
     def __init__(self, cfg: RunConfig, engine: RolloutEngine, tokenizer: Any, store: Any, *, partial: bool,
-                 rank: int = 0, holders: Sequence[int] = (0,), me: int = 0):
-        self.cfg, self.engine, self.store, self.rank = cfg, engine, store, rank
+                 rank: int = 0, holders: Sequence[int] = (0,), me: int = 0, vision: Any = None):
+        self.cfg, self.engine, self.store, self.rank, self.vision = cfg, engine, store, rank, vision
         self.holders, self.me = list(holders), me
         self.loop = asyncio.new_event_loop()
         kwargs = {"max_turns": cfg.rollout.max_turns, "tools": builtin_tools()} \
@@ -89,8 +111,9 @@ class LocalRollout:
 
     def submit(self, prompts: Sequence[Any], uids: Sequence[str], partition: str, step: int,
                row_kwargs: Sequence[dict], *, seed_batch: int | None, wait: bool = True,
-               cancel_left: bool = True) -> None:
-        """Generate ``rollout.n`` sessions (one for validation) of each prompt, dispatched at ``step``.
+               cancel_left: bool = True, inputs: Sequence[PromptInputs | None] | None = None) -> None:
+        """Generate ``rollout.n`` sessions (one for validation) of each prompt, dispatched at ``step``; ``inputs``:
+        what each group stores once (:func:`prompt_inputs`).
 
         ``seed_batch`` restarts the sampling stream as batch ``seed_batch`` of ``partition`` (None: the stream goes
         on). ``wait``: run to the end (tasks left on the loop are cancelled unless ``cancel_left`` is false);
@@ -102,7 +125,8 @@ class LocalRollout:
         loop = FaultInjectingLoop(self.agent_loop) if any(kw.get("inject_failure") for kw in row_kwargs) \
             else self.agent_loop
         groups = run_groups(self.store, list(uids), list(prompts), self.cfg.rollout.n if partition == TRAIN else 1,
-                            loop, step, partition, self.sampling(partition), row_kwargs=list(row_kwargs))
+                            loop, step, partition, self.sampling(partition), row_kwargs=list(row_kwargs),
+                            inputs=inputs)
         if wait:
             t0 = time.perf_counter()
             run_to_end(self.loop, groups, cancel_left=cancel_left)
@@ -122,7 +146,7 @@ class LocalRollout:
         # a vision-language row comes with its prompt ids (image tokens expanded); a text row with its messages
         self.submit([r.get("prompt_ids", r["raw_prompt"]) for r in picked_rows], picked_uids, partition, step,
                     session_kwargs(self.cfg, picked_rows, picked_uids, partition), seed_batch=seed_batch, wait=wait,
-                    cancel_left=cancel_left)
+                    cancel_left=cancel_left, inputs=prompt_inputs(picked_rows, self.vision))
         return mine
 
     def in_flight(self) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.fields import INFER_INPUT_FIELDS, TRAIN_INPUT_FIELDS
+from protocol.fields import IMAGE_GRID_THW, INFER_INPUT_FIELDS, PIXEL_VALUES, TRAIN_INPUT_FIELDS
 
 from backends.base import Share
 
@@ -62,7 +62,7 @@ def _rows(data, name: str, n: int) -> list[torch.Tensor]:
 
 #: a vision-language share's fields: per sample, its images' patches flattened ([N_i * patch_dim]) and their grids
 #: flattened ([k_i * 3], t, h, w per image), the processor's ``pixel_values`` / ``image_grid_thw`` cut by sample
-PIXELS, GRIDS = "multi_modal_inputs.pixel_values", "multi_modal_inputs.image_grid_thw"
+PIXELS, GRIDS = PIXEL_VALUES, IMAGE_GRID_THW
 
 
 def _read_images(view: ShareView, data, n: int) -> None:

@@ -100,7 +100,7 @@ def _prefill(model: LlamaModel, prompts: list[list[int]], cache: KVCache, device
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.lengths = torch.tensor(lens, dtype=torch.long, device=device)
     last = cu[1:].long() - 1
-    return F.linear(model.norm(x[last]), model.output_weight())
+    return model.logits(model.norm(x[last]))
 
 
 def _decode(model: LlamaModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -126,7 +126,7 @@ def _decode(model: LlamaModel, tokens: torch.Tensor, cache: KVCache) -> torch.Te
         x = x + att.o_proj(out.reshape(B, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.lengths = pos + 1
-    return F.linear(model.norm(x), model.output_weight())
+    return model.logits(model.norm(x))
 
 
 @torch.no_grad()

@@ -205,6 +205,10 @@ class LlamaModel(nn.Module):
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, attention, **inputs)
         if logits_positions is not None:
             h = h.index_select(0, logits_positions.to(h.device))
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of final-norm hidden states (the forward pass and the KV-cached sampler both end here)."""
         if self.cfg.tie_word_embeddings:
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)

@@ -32,7 +32,14 @@ from backends.model.llama import AttentionFn, LlamaModel, RMSNorm, apply_rotary,
 
 __all__ = ["VisionConfig", "VLConfig", "VisionTower", "VLModel", "patch_positions", "frame_cu_seqlens",
            "window_order", "mrope_positions", "packed_vl_inputs", "mrope_cos_sin", "read_vl_config", "vl_name",
-           "vl_state_dict", "load_vl_checkpoint"]
+           "vl_state_dict", "load_vl_checkpoint", "attention_spans", "is_vl_folder", "VL_FAMILIES",
+           "PLACEHOLDER_LOGIT"]
+
+#: the logit of a placeholder token (finite, so entropies stay finite; exp of it is 0 in float32 and bfloat16)
+PLACEHOLDER_LOGIT = -1e9
+
+#: the ``model_type`` of the vision-language folders the policy reads
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,12 @@ class VLConfig:
     vision: VisionConfig
     image_token_id: int
     mrope_section: tuple[int, int, int]
+    video_token_id: int | None = None  # the video placeholder (a placeholder the policy never samples, as the image's)
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """The tokens that stand for pixels: prompt-only, never sampled (:meth:`VLModel.forward`)."""
+        return (self.image_token_id,) + (() if self.video_token_id is None else (self.video_token_id,))
 
     def __post_init__(self) -> None:
         if sum(self.mrope_section) != self.text.head_dim // 2:
@@ -100,9 +113,10 @@ class VLConfig:
         if self.vision.out_hidden_size != self.text.hidden_size:
             raise HFCheckpointError(f"vision_config.hidden_size={self.vision.out_hidden_size} must equal the "
                                     f"decoder's hidden_size={self.text.hidden_size}")
-        if not 0 <= self.image_token_id < self.text.vocab_size:
-            raise HFCheckpointError(f"image_token_id={self.image_token_id} is outside the vocabulary "
-                                    f"({self.text.vocab_size})")
+        for key in ("image_token_id", "video_token_id"):
+            value = getattr(self, key)
+            if value is not None and not 0 <= value < self.text.vocab_size:
+                raise HFCheckpointError(f"{key}={value} is outside the vocabulary ({self.text.vocab_size})")
 
 
 # ----------------------------------------------------------------------------------------------------- positions
@@ -141,6 +155,14 @@ def window_order(grid_thw: torch.Tensor, merge: int, units: int) -> tuple[torch.
         base += t * gh * gw
     perm = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
     return perm, torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def attention_spans(cfg: VisionConfig, grid_thw: torch.Tensor) -> list[int]:
+    """The patch counts of the spans the tower's attention runs over, images in order: each frame (Qwen2-VL), each
+    window (Qwen2.5-VL, whose blocks but ``fullatt_blocks`` use windows); the dispatch's ``vision_spans`` tag."""
+    if cfg.family == "qwen2_vl":
+        return [int(x) for x in frame_cu_seqlens(grid_thw).diff().tolist()]
+    return [int(x) for x in window_order(grid_thw, cfg.spatial_merge_size, cfg.window_units)[1].diff().tolist()]
 
 
 def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grid_thw: torch.Tensor, merge: int
@@ -349,6 +371,14 @@ class VLModel(LlamaModel):
         self.vl = cfg
         self.visual = VisionTower(cfg.vision)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """:meth:`LlamaModel.logits` with the placeholder tokens' logits at :data:`PLACEHOLDER_LOGIT`: they stand
+        for pixels a response cannot carry, so the policy never samples them (a sampled one would meet no image in
+        every later model call: the mismatch of image tokens and features seen with unmasked samplers). Sampler
+        and trainer both end here, so their log-probs agree."""
+        ids = torch.tensor(self.vl.placeholder_ids, device=h.device)
+        return super().logits(h).index_fill(-1, ids, PLACEHOLDER_LOGIT)
+
     def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids.dim() != 2 or position_ids.shape[0] != 3:
             raise ValueError(f"a vision-language model takes [3, T] positions (mrope_positions), got "
@@ -388,7 +418,7 @@ def read_vl_config(path: str) -> VLConfig:
     with open(cfg_file) as fh:
         raw = json.load(fh)
     family = raw.get("model_type")
-    if family not in ("qwen2_vl", "qwen2_5_vl"):
+    if family not in VL_FAMILIES:
         raise HFCheckpointError(f"{path}: model_type={family!r}; the vision-language policy reads qwen2_vl and "
                                 f"qwen2_5_vl folders")
     text, vision = dict(raw.get("text_config") or raw), dict(raw.get("vision_config") or {})
@@ -416,7 +446,18 @@ def read_vl_config(path: str) -> VLConfig:
                         spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
                         rope_theta=float(vrope.get("rope_theta", 10000.0)))
     tcfg = dataclasses.replace(config_from_hf(text), hf_path=path)
-    return VLConfig(text=tcfg, vision=vcfg, image_token_id=int(raw["image_token_id"]), mrope_section=section)
+    video = raw.get("video_token_id")
+    return VLConfig(text=tcfg, vision=vcfg, image_token_id=int(raw["image_token_id"]), mrope_section=section,
+                    video_token_id=None if video is None or int(video) >= tcfg.vocab_size else int(video))
+
+
+def is_vl_folder(path: str) -> bool:
+    """Whether ``path/config.json`` names a vision-language family (:data:`VL_FAMILIES`)."""
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            return json.load(fh).get("model_type") in VL_FAMILIES
+    except (OSError, ValueError):
+        return False
 
 
 def vl_name(name: str) -> str:

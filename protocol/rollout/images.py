@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["ImageError", "IMAGE_PLACEHOLDER", "open_image", "open_images", "count_placeholders",
-           "replace_placeholders", "image_token_counts", "expand_image_tokens", "VisionProcessor"]
+           "replace_placeholders", "image_token_counts", "expand_image_tokens", "VisionProcessor",
+           "load_image_processor"]
 
 #: how a verl-format prompt marks where an image goes
 IMAGE_PLACEHOLDER = "<image>"
@@ -133,3 +134,14 @@ class VisionProcessor:
         out = self.image_processor(images=list(images), return_tensors="pt")
         inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
         return expand_image_tokens(ids, self.pad_id, image_token_counts(inputs["image_grid_thw"], self.merge)), inputs
+
+
+def load_image_processor(path: str) -> Any:
+    """The Qwen2-VL-family image processor saved in folder ``path`` (``preprocessor_config.json``), read with
+    transformers' PIL implementation (its fast one needs torchvision); nothing is downloaded."""
+    if not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+        raise ImageError(f"{path} has no preprocessor_config.json: a vision-language policy's folder carries its "
+                         "image processor")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil.from_pretrained(path)

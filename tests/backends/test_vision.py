@@ -11,7 +11,8 @@ from hypothesis import given, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
 import hf_tiny  # noqa: E402
-from vl_common import END, IMAGE, START, reference_logprobs, sequence as _sequence, vl_rows  # noqa: E402
+from vl_common import (END, IMAGE, START, VIDEO, reference_logprobs, sequence as _sequence, vl_rows,  # noqa: E402
+                       without_placeholders)
 
 from backends.model.vision import (VLModel, load_vl_checkpoint, mrope_positions, patch_positions,  # noqa: F401
                                    read_vl_config, vl_state_dict)
@@ -84,9 +85,10 @@ def test_mrope_positions_are_transformers_rope_index(tmp_path):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_log_probs_of_a_packed_mixed_batch_equal_transformers(tmp_path, family):
     """One packed batch: a sequence with two images of different sizes, one with one image, one with none; the
-    project's log-probs of every next token equal transformers' (each sequence on its own) to 1e-5 in fp32, and
-    the vision tower's features equal transformers' visual model (Qwen2.5-VL: images of 1 x 3, 3 x 2 and 2 x 2
-    merged units in windows of 2 x 2, so windows split them)."""
+    project's log-probs of every next token equal transformers' (each sequence on its own) to 1e-5 in fp32 once
+    the placeholders are out of the distribution (the policy never samples them: their log-prob is below -1e8),
+    and the vision tower's features equal transformers' visual model (Qwen2.5-VL: images of 1 x 3, 3 x 2 and
+    2 x 2 merged units in windows of 2 x 2, so windows split them)."""
     theirs = _tiny_vl(tmp_path / "vl", family=family)
     ours = load_vl_checkpoint(str(tmp_path / "vl"))
     cfg = ours.vl
@@ -101,7 +103,7 @@ def test_log_probs_of_a_packed_mixed_batch_equal_transformers(tmp_path, family):
         kwargs = dict(pixel_values=pix, image_grid_thw=g, mm_token_type_ids=(ids == IMAGE).int()[None]) \
             if grids else {}
         with torch.no_grad():
-            logits = theirs(input_ids=ids[None], **kwargs).logits[0]
+            logits = without_placeholders(theirs(input_ids=ids[None], **kwargs).logits[0])
         want.append(torch.log_softmax(logits[:-1].double(), -1).gather(1, ids[1:, None]).squeeze(1))
         ids_all.append(ids)
         pos_all.append(mrope_positions(ids, IMAGE, g, 2))
@@ -119,8 +121,10 @@ def test_log_probs_of_a_packed_mixed_batch_equal_transformers(tmp_path, family):
     logp = torch.log_softmax(logits.double(), -1)
     for i, (a, b) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
         got = logp[a:b - 1].gather(1, ids[a + 1:b, None]).squeeze(1)
-        assert want[i].abs().max() > 0.5, "log-probs far from uniform"
-        torch.testing.assert_close(got, want[i], rtol=1e-5, atol=1e-5)
+        text = (ids[a + 1:b] != IMAGE) & (ids[a + 1:b] != VIDEO)
+        assert want[i][text].abs().max() > 0.5, "log-probs far from uniform"
+        torch.testing.assert_close(got[text], want[i][text], rtol=1e-5, atol=1e-5)
+        assert bool((got[~text] < -1e8).all()), "a placeholder is never sampled"
 
 
 @given(grids=st.lists(st.tuples(st.integers(1, 2), st.integers(1, 7), st.integers(1, 7)), min_size=1, max_size=3),
@@ -229,11 +233,43 @@ def test_greedy_generation_with_images_equals_transformers_generate(tmp_path, fa
         torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), recompute.squeeze(1), rtol=1e-5, atol=1e-5)
 
 
+def test_the_policy_never_samples_a_placeholder(tmp_path):
+    """A policy whose output head favours the image and video placeholders (their rows multiples of the likeliest
+    token's row): the unmasked head would pick them, the sampler at temperature 1 never does, and its
+    log-probs are still the model's recompute (sampler and trainer read the same masked logits)."""
+    from backends.model.generate import generate
+    from backends.model.llama import LlamaModel
+
+    _tiny_vl(tmp_path / "vl")
+    ours = load_vl_checkpoint(str(tmp_path / "vl"))
+    prompt = _sequence([5, 6, 7], [(1, 2, 2)])
+    image = (torch.randn(4, ours.vl.vision.patch_dim, generator=torch.Generator().manual_seed(0)),
+             torch.tensor([[1, 2, 2]]))
+    with torch.no_grad():
+        seq = torch.tensor(prompt)
+        args = (seq, mrope_positions(seq, IMAGE, image[1], 2), torch.tensor([0, len(seq)], dtype=torch.int32))
+        h = ours.hidden_states(*args, pixel_values=image[0], image_grid_thw=image[1])[-1:]
+        top = LlamaModel.logits(ours, h)[0]
+        best = int(top.argmax())
+        assert top[best] > 0
+        w = ours.lm_head.weight
+        w[IMAGE], w[VIDEO] = 3 * w[best], 2 * w[best]  # three and two times the likeliest token's logit
+        assert int(LlamaModel.logits(ours, h)[0].argmax()) in (IMAGE, VIDEO), "the test must tempt the sampler"
+    outs, lps = generate(ours, [prompt] * 16, max_new_tokens=6, temperature=1.0, seed=0, images=[image] * 16)
+    assert not {IMAGE, VIDEO} & {t for out in outs for t in out}
+    seq = torch.tensor(prompt + outs[0])
+    with torch.no_grad():
+        logits = ours(seq, mrope_positions(seq, IMAGE, image[1], 2), torch.tensor([0, len(seq)], dtype=torch.int32),
+                      pixel_values=image[0], image_grid_thw=image[1])
+    recompute = torch.log_softmax(logits[len(prompt) - 1:-1].double(), -1).gather(1, torch.tensor(outs[0])[:, None])
+    torch.testing.assert_close(torch.tensor(lps[0], dtype=torch.float64), recompute.squeeze(1), rtol=1e-5, atol=1e-5)
+
+
 def test_a_processed_row_is_what_transformers_model_reads(tmp_path):
     """A chat prompt with two ``<image>`` placeholders and two images of different sizes through the project's
     VisionProcessor (ChatML tokenizer with vision tokens, transformers' Qwen2-VL image processor): transformers'
     own model accepts the ids and pixels (it checks that the image tokens match the images' features) and its
-    log-probs equal the project's model's on them."""
+    log-probs of the text tokens equal the project's model's on them (placeholders out of both distributions)."""
     import numpy as np
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -258,11 +294,13 @@ def test_a_processed_row_is_what_transformers_model_reads(tmp_path):
     with torch.no_grad():
         want = theirs(input_ids=seq[None], pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
                       mm_token_type_ids=(seq == proc.pad_id).int()[None]).logits[0]
+        want = without_placeholders(want, ours.vl.placeholder_ids)
         got = ours(seq, mrope_positions(seq, proc.pad_id, inputs["image_grid_thw"], 2),
                    torch.tensor([0, len(seq)], dtype=torch.int32), pixel_values=inputs["pixel_values"],
                    image_grid_thw=inputs["image_grid_thw"])
     lp = lambda x: torch.log_softmax(x[:-1].double(), -1).gather(1, seq[1:, None])  # noqa: E731
-    torch.testing.assert_close(lp(got), lp(want), rtol=1e-5, atol=1e-5)
+    text = seq[1:] != proc.pad_id
+    torch.testing.assert_close(lp(got)[text], lp(want)[text], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.dist
@@ -338,18 +376,26 @@ def test_the_embedded_engine_samples_with_images_and_in_chunks(tmp_path):
         text.generate_batch([prompts[2]], params, images=[images[0]])
 
 
-def test_groups_with_images_reach_the_store_with_their_images(tmp_path):
+def test_groups_store_each_prompts_images_once(tmp_path):
     """run_groups with the embedded engine on a Qwen2.5-VL policy: groups of prompts with and without images run
-    together; every trajectory's response is the engine's greedy one for its prompt and images, and the store holds
-    its images flattened as the engines' shares read them (a text prompt's trajectories hold none)."""
+    together; every trajectory's response is the engine's greedy one for its prompt and images; each prompt's
+    images are stored once, on its prompt key (the store's bytes grow by one copy per prompt, not per trajectory),
+    every trajectory of an image prompt is tagged with its images' attention spans, the bridge hands each sample
+    its prompt's images, and kv_clear leaves the store empty."""
     import asyncio
 
     from backends.model.generate import generate
+    from backends.model.vision import attention_spans
     from backends.rollout import VersionedGenerate
+    from protocol.fields import IMAGE_GRID_THW, PIXEL_VALUES
     from protocol.rollout.agent_loop import run_groups
     from protocol.rollout.agent_loop.single_turn import SingleTurnAgentLoop
     from protocol.store import LocalStore
     from protocol.store.keys import uid_of
+    from protocol.store.meta import KVBatchMeta
+    from rldispatch.bridge import prompt_images
+    from rldispatch.dataplane import ShardedStore
+    from rldispatch.rollout import prompt_inputs
 
     ours, engine = _vl_engine(tmp_path)
     cases = [([5, 6, 7], [(1, 2, 6)]), ([10, 11, 12], []), ([13, 14], [(1, 4, 4), (1, 2, 2)])]
@@ -357,21 +403,29 @@ def test_groups_with_images_reach_the_store_with_their_images(tmp_path):
     prompts = [x.tolist()[:-3] for x in ids]
     images = [(p.view(-1, ours.vl.vision.patch_dim), g.view(-1, 3)) if g.numel() else None
               for p, g in zip(pixels, grids)]
-    uids = ["aa01", "bb02", "cc03"]
-    store = LocalStore()
+    rows = [{"multi_modal_inputs": {"pixel_values": im[0], "image_grid_thw": im[1]} if im else {}} for im in images]
+    uids, n = ["aa01", "bb02", "cc03"], 3
+    store = ShardedStore(LocalStore())
     loop = SingleTurnAgentLoop(VersionedGenerate(engine), max_response_length=5)
-    asyncio.run(run_groups(store, uids, prompts, 2, loop, 1, "train", {"temperature": 0.0, "max_tokens": 5},
-                           row_kwargs=[{"images": im} if im else {} for im in images]))
+    asyncio.run(run_groups(store, uids, prompts, n, loop, 1, "train", {"temperature": 0.0, "max_tokens": 5},
+                           row_kwargs=[{"images": im} if im else {} for im in images],
+                           inputs=prompt_inputs(rows, ours.vl.vision)))
     want = generate(ours, prompts, max_new_tokens=5, temperature=0.0, eos_token_id=1, images=images)[0]
     keys = sorted(k for k in store.kv_list("train")["train"] if "_" in k)
-    assert len(keys) == 6
-    for key in keys:
+    assert len(keys) == 3 * n
+    image_bytes = sum(p.numel() * 4 + g.numel() * 8 for p, g in zip(pixels, grids))
+    text = LocalStore()  # the same trajectories without any image field: the difference is one copy per prompt
+    text.kv_batch_put(keys, "train", store.local.kv_batch_get(keys, "train"))
+    assert store.local.stats()["bytes"] - text.stats()["bytes"] == image_bytes
+    tags = store.tags_of(keys, "train")
+    for key, tag in zip(keys, tags):
         i = uids.index(uid_of(key))
-        got = store.kv_batch_get([key], "train", ["responses"])["responses"][0].tolist()
-        assert got == want[i]
-        fields = store.kv_batch_get([key], "train")
-        if images[i] is None:
-            assert "multi_modal_inputs.pixel_values" not in fields.keys()
-        else:
-            assert torch.equal(fields["multi_modal_inputs.pixel_values"][0], pixels[i])
-            assert torch.equal(fields["multi_modal_inputs.image_grid_thw"][0], grids[i])
+        assert store.local.kv_batch_get([key], "train", ["responses"])["responses"][0].tolist() == want[i]
+        assert PIXEL_VALUES not in store.local.kv_batch_get([key], "train").keys()
+        assert tag.get("vision_spans") == (attention_spans(ours.vl.vision, images[i][1]) if images[i] else None)
+    shared = prompt_images(store, KVBatchMeta("train", keys, tags))
+    for key, p, g in zip(keys, shared[PIXEL_VALUES].unbind(0), shared[IMAGE_GRID_THW].unbind(0)):
+        i = uids.index(uid_of(key))
+        assert torch.equal(p, pixels[i]) and torch.equal(g, grids[i])
+    store.kv_clear([*keys, *uids], "train")
+    assert store.local.num_keys() == 0 and store.local.stats()["bytes"] == 0

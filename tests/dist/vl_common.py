@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["IMAGE", "START", "END", "sequence", "vl_rows", "reference_logprobs"]
+__all__ = ["IMAGE", "VIDEO", "START", "END", "sequence", "vl_rows", "reference_logprobs", "without_placeholders"]
 
-IMAGE, START, END = 150, 152, 153
+IMAGE, VIDEO, START, END = 150, 151, 152, 153
 RESPONSE = [20, 21, 22]  # the response tokens every sequence of vl_rows ends with
 
 
@@ -45,3 +45,9 @@ def reference_logprobs(model, ids, pixels, grids) -> list[torch.Tensor]:
                        **images)
         out.append(torch.log_softmax(logits[-n - 1:-1].double(), -1).gather(1, seq[-n:, None]).squeeze(1).float())
     return out
+
+
+def without_placeholders(logits: torch.Tensor, ids=(IMAGE, VIDEO)) -> torch.Tensor:
+    """transformers' logits as the project's policy defines them: the image and video placeholders (``ids``) never
+    sampled (their logits -inf; the project's VLModel sets them to -1e9, which exp() also takes to 0)."""
+    return logits.index_fill(-1, torch.tensor(list(ids)), float("-inf"))

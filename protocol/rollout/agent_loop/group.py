@@ -3,7 +3,8 @@
 Order of writes for a group (so a reader never sees a terminal status before the data, and nothing of a group is
 written after its status settles):
 
-1. prompt tag ``status = running`` (the tag is created as ``pending`` -> ``running`` when the uid is new);
+1. prompt tag ``status = running`` (the tag is created as ``pending`` -> ``running`` when the uid is new), with the
+   prompt's own fields (:class:`PromptInputs`: a vision-language prompt's images, stored once for the group);
 2. all ``n`` sessions run concurrently and ALL settle (a session that raises does not cancel the others);
 3. the trajectories of the successful sessions are post-processed and written with ONE ``kv_batch_put``;
 4. the prompt tag gets ``status = finished`` (every session succeeded) or ``failure`` (at least one raised),
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from protocol.rollout.agent_loop.base import AgentLoop, session_versions
@@ -27,12 +29,22 @@ from protocol.store.meta import KVBatchMeta
 from protocol.rollout.agent_loop.writes import GroupWrites
 from protocol.rollout.postprocess import postprocess_group
 
-__all__ = ["register_prompts", "run_group", "run_groups", "MAX_ERRORS_IN_TAG"]
+__all__ = ["PromptInputs", "register_prompts", "run_group", "run_groups", "MAX_ERRORS_IN_TAG"]
 
 logger = logging.getLogger(__name__)
 
 #: How many session error messages a prompt tag keeps (``num_errors`` counts all of them).
 MAX_ERRORS_IN_TAG = 5
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """What a group stores once beside its trajectories: ``fields`` on the prompt key ``{uid}`` (a vision-language
+    prompt's images, which every trajectory of the group reads instead of holding a copy; one row per field) and
+    ``tags``, entries added to every trajectory's tag (the images' ``vision_spans``, which the dispatch plans from)."""
+
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    tags: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _prompt_status(store: Any, uid: str, partition_id: str) -> tuple[str | None, dict | None]:
@@ -83,21 +95,22 @@ def _error_text(exc: BaseException) -> str:
 
 async def run_group(store: Any, uid: str, prompt: Any, n: int, agent_loop: AgentLoop, global_steps: int,
                     partition_id: str = "train", sampling_params: Mapping[str, Any] | None = None,
-                    **kwargs: Any) -> KVBatchMeta:
+                    inputs: PromptInputs | None = None, **kwargs: Any) -> KVBatchMeta:
     """Run ``n`` sessions of ``agent_loop`` on ``prompt`` for group ``uid`` and write them to ``store``.
 
-    ``kwargs`` go to every ``agent_loop.run`` call (plus ``session_id``), e.g. ``tools_kwargs``. Returns the
+    ``kwargs`` go to every ``agent_loop.run`` call (plus ``session_id``), e.g. ``tools_kwargs``; ``inputs``: what
+    the group stores once (:class:`PromptInputs`). Returns the
     KVBatchMeta of the written trajectory keys; ``extra_info`` holds ``uid``, ``status``,
     ``num_failed_sessions`` and ``errors``. If the group was cleared while its sessions ran, nothing is written,
     a warning is logged and ``extra_info["status"]`` is ``"cleared"``.
     """
     return await _run_group(GroupWrites(store), uid, prompt, n, agent_loop, global_steps, partition_id,
-                            sampling_params, kwargs)
+                            sampling_params, kwargs, inputs)
 
 
 async def _run_group(writes: GroupWrites, uid: str, prompt: Any, n: int, agent_loop: AgentLoop, global_steps: int,
                      partition_id: str, sampling_params: Mapping[str, Any] | None,
-                     kwargs: Mapping[str, Any]) -> KVBatchMeta:
+                     kwargs: Mapping[str, Any], inputs: PromptInputs | None = None) -> KVBatchMeta:
     from protocol.store import LateWriteError
 
     check_uid(uid)
@@ -135,7 +148,9 @@ async def _run_group(writes: GroupWrites, uid: str, prompt: Any, n: int, agent_l
 
     cancelled = {"num_sessions": n, "num_failed_sessions": n, "num_trajectories": 0}
     try:
-        await writes.put([uid], partition_id, tags=[running])
+        own = {name: [value] for name, value in inputs.fields.items()} if inputs is not None and inputs.fields \
+            else None
+        await writes.put([uid], partition_id, fields=own, tags=[running])
         results = await asyncio.gather(*[_session(agent_loop, prompt, sampling_params, s, kwargs) for s in range(n)],
                                        return_exceptions=True)
     except asyncio.CancelledError:  # gather cancelled every session and waited for them to settle
@@ -152,6 +167,9 @@ async def _run_group(writes: GroupWrites, uid: str, prompt: Any, n: int, agent_l
                "num_errors": len(errors)}
     try:
         batch = postprocess_group(uid, ok, global_steps)
+        if inputs is not None and inputs.tags:
+            for tag in batch.tags:
+                tag.update(inputs.tags)
     except Exception as exc:
         await settle(PromptStatus.FAILURE, {**summary, "num_trajectories": 0,
                                             "errors": [f"postprocess: {_error_text(exc)}", *errors][:MAX_ERRORS_IN_TAG],
@@ -180,8 +198,10 @@ async def _run_group(writes: GroupWrites, uid: str, prompt: Any, n: int, agent_l
 async def run_groups(store: Any, uids: Sequence[str], prompts: Sequence[Any], n: int, agent_loop: AgentLoop,
                      global_steps: int, partition_id: str = "train",
                      sampling_params: Mapping[str, Any] | None = None,
-                     row_kwargs: Sequence[Mapping[str, Any]] | None = None) -> list[KVBatchMeta]:
-    """Run :func:`run_group` for every (uid, prompt) concurrently; ``row_kwargs[i]`` go to prompt i's sessions.
+                     row_kwargs: Sequence[Mapping[str, Any]] | None = None,
+                     inputs: Sequence[PromptInputs | None] | None = None) -> list[KVBatchMeta]:
+    """Run :func:`run_group` for every (uid, prompt) concurrently; ``row_kwargs[i]`` go to prompt i's sessions,
+    ``inputs[i]`` is what its group stores once (:class:`PromptInputs`).
 
     Every group settles before this returns; the first exception that is not a session failure (for example a
     post-processing error) is re-raised after all groups settled.
@@ -190,11 +210,13 @@ async def run_groups(store: Any, uids: Sequence[str], prompts: Sequence[Any], n:
         raise ValueError(f"run_groups: {len(uids)} uids but {len(prompts)} prompts; they must be equal")
     if row_kwargs is not None and len(row_kwargs) != len(prompts):
         raise ValueError(f"run_groups: row_kwargs has {len(row_kwargs)} entries, expected {len(prompts)}")
+    if inputs is not None and len(inputs) != len(prompts):
+        raise ValueError(f"run_groups: inputs has {len(inputs)} entries, expected {len(prompts)}")
     writes = GroupWrites(store, combine=True)  # the groups' puts of one event-loop turn go as few batch puts
     try:
         results = await asyncio.gather(*[
             _run_group(writes, u, p, n, agent_loop, global_steps, partition_id, sampling_params,
-                       dict(row_kwargs[i]) if row_kwargs is not None else {})
+                       dict(row_kwargs[i]) if row_kwargs is not None else {}, inputs[i] if inputs else None)
             for i, (u, p) in enumerate(zip(uids, prompts))], return_exceptions=True)
     finally:
         writes.flush()  # cancelled: the failure statuses the groups queued are written before this returns

@@ -20,7 +20,8 @@ class SingleTurnAgentLoop(AgentLoop):
 
     async def run(self, prompt: Any, sampling_params: Mapping[str, Any] | None = None, images: Any = None,
                   **kwargs: Any) -> list[AgentLoopOutput]:
-        """``images``: a vision-language prompt's ``(pixel_values, image_grid_thw)``, given to ``generate``."""
+        """``images``: a vision-language prompt's ``(pixel_values, image_grid_thw)``, given to ``generate`` (the
+        group stores them once, on its prompt key: :class:`~protocol.rollout.agent_loop.group.PromptInputs`)."""
         sampling_params = dict(sampling_params or {})
         prompt_ids = self.prompt_to_ids(prompt)
         sampling_params["max_tokens"] = self._max_tokens(sampling_params, self.max_response_length)
@@ -31,9 +32,5 @@ class SingleTurnAgentLoop(AgentLoop):
                          truncated_kind="generation", stop_reason="max_response_length")
             token_ids = token_ids[: self.max_response_length]
             logprobs = None if logprobs is None else logprobs[: self.max_response_length]
-        # a prompt's images go to the store with the trajectory, flattened as the engines' shares read them
-        mm = None if images is None else {"pixel_values": images[0].reshape(-1),
-                                          "image_grid_thw": images[1].reshape(-1)}
         return [AgentLoopOutput(prompt_ids=prompt_ids, response_ids=token_ids, response_mask=[1] * len(token_ids),
-                                response_logprobs=logprobs, num_turns=2, extra_fields=extra,
-                                multi_modal_inputs=mm)]
+                                response_logprobs=logprobs, num_turns=2, extra_fields=extra)]

@@ -17,7 +17,7 @@ from typing import Any
 from protocol.rollout.tasks.base import Task, TaskError, TaskExample, register_task
 from protocol.rollout.tasks.strings import normalize_response, string_score
 
-__all__ = ["ColorsTask", "COLORS", "picture"]
+__all__ = ["ColorsTask", "BlankColorsTask", "COLORS", "picture"]
 
 #: the colours a picture uses, by name
 COLORS: dict[str, tuple[int, int, int]] = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60),
@@ -84,3 +84,12 @@ class ColorsTask(Task):
             raise TaskError(f"colors: ground truth {ground_truth!r} is not one of {sorted(COLORS)}")
         w = float((extra_info or {}).get("length_weight", self.length_weight))
         return string_score(normalize_response(response_text), ground_truth, w)
+
+
+@register_task("colors_blank")
+@dataclass
+class BlankColorsTask(ColorsTask):
+    """``colors`` with every picture grey: the same prompts and answers, nothing in the image to read (the control
+    run of a vision-language policy: it cannot beat choosing between the two named colours)."""
+
+    blank: bool = True

@@ -1,0 +1,99 @@
+"""A vision-language policy in the trainer: the config reads a Qwen2-VL folder (the decoder from it, the keys a
+vision policy cannot honour refused by name), the rows' images reach the rollout, the store and the engines, and
+a batch mixing rows with 0, 1 and 2 images trains on 2 ranks."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from protocol.config import ConfigError
+from rldispatch.config import load_config, vision_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "rldispatch" / "configs" / "grpo_vl_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def vl_folder(tmp_path_factory):
+    from backends.model.tiny_vl import write_tiny_vl
+
+    out = tmp_path_factory.mktemp("vl") / "vl_tiny"
+    write_tiny_vl(str(out), seed=0)
+    return str(out)
+
+
+def test_the_config_reads_the_vision_language_folder(vl_folder):
+    cfg = load_config(CONFIG, [f"model.hf_path={vl_folder}", "actor.freeze_vision_tower=true"])
+    vl = vision_config(cfg)
+    assert vl is not None and cfg.model == vl.text and cfg.model.hidden_size == 64
+    engine = cfg.engine_config()
+    assert engine.vision == vl and engine.freeze_vision_tower
+    work = __import__("rldispatch.plan", fromlist=["batch_settings"])
+    assert work._workload(cfg, 64).vision_linear > 0, "the plan counts the vision tower's cost"
+
+
+@pytest.mark.parametrize("override, names", [
+    ("actor.backend=megatron", "actor.backend=megatron"),
+    ("rollout.engine=vllm", "rollout.engine=vllm"),
+    ("actor.lora.rank=4", "actor.lora.rank"),
+    ("trainer.mode=separate_async", "trainer.mode=separate_async"),
+    ("algorithm.adv_estimator=gae", "a critic"),
+])
+def test_what_a_vision_policy_cannot_run_is_refused_by_key(vl_folder, override, names):
+    with pytest.raises(ConfigError, match="is a vision-language policy, which is not built with") as err:
+        load_config(CONFIG, [f"model.hf_path={vl_folder}", override])
+    assert names in str(err.value)
+
+
+def test_freezing_a_tower_a_text_policy_lacks_is_refused():
+    with pytest.raises(ConfigError, match="actor.freeze_vision_tower=true but model.hf_path=''"):
+        load_config(REPO / "rldispatch" / "configs" / "grpo_tiny.yaml", ["actor.freeze_vision_tower=true"])
+
+
+def _mixed_rows(n: int, seed: int) -> list[dict]:
+    """``colors`` rows whose image count cycles 1, 0, 2: a row without its picture (the prompt then names no
+    image) and one with a second picture of the same split."""
+    from protocol.rollout.tasks import get_task
+
+    task, rng, rows = get_task("colors"), random.Random(seed), []
+    for i in range(n):
+        row = task.make_row(i, rng)
+        k = (1, 0, 2)[i % 3]
+        text = row["prompt"][-1]["content"]
+        row["prompt"][-1]["content"] = text.replace("<image>", "<image> <image>" if k == 2 else "" if k == 0 else
+                                                    "<image>")
+        row["images"] = row["images"] * k
+        rows.append(row)
+    return rows
+
+
+def _write(rows: list[dict], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+@pytest.mark.dist
+def test_a_batch_mixing_zero_one_and_two_images_trains_on_two_ranks(torchrun, vl_folder, tmp_path):
+    """Rows with 0, 1 and 2 images in every batch, 2 ranks (DP=2), 3 steps with the tower trained: the run
+    finishes (FSDP would hang were the ranks' micro-batch counts unequal), every step trains, and the images moved
+    the vision tower's weights (the exported checkpoint differs from the folder's there)."""
+    _write(_mixed_rows(48, 0), tmp_path / "data" / "train.parquet")
+    _write(_mixed_rows(12, 1), tmp_path / "data" / "val.parquet")
+    run = tmp_path / "run"
+    torchrun(str(REPO / "scripts" / "train.py"), 2, "--config", str(CONFIG), f"model.hf_path={vl_folder}",
+             f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
+             f"data.val_files=[{tmp_path / 'data' / 'val.parquet'}]", "data.max_prompt_length=128",
+             "trainer.total_steps=3", "trainer.val_freq=3", "trainer.save_freq=0", f"trainer.run_dir={run}",
+             "trainer.progress_bar=false", "trainer.tensorboard=false", "actor.micro_batch_size_per_gpu=4",
+             "data.val_batch_size=12", timeout=240)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "actor/optimizer_steps" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["actor/micro_batches"] >= 2 for r in steps)
+    assert any("val/score/mean" in r for r in records)
