@@ -57,6 +57,12 @@ LAYOUTS.update({
     "fsdp-dp2-h32-colocate_async-vllm": ("actor.backend=fsdp", *_H32, "trainer.mode=colocate_async", *_VLLM),
     "fsdp-h32-separate_async-vllm": ("actor.backend=fsdp", *_H32, "trainer.mode=separate_async", *_VLLM),
 })
+#: a vision-language policy (grpo_vl_tiny, --override model.hf_path=<absolute folder>): the colors task and its
+#: blank-picture control, the same rows with grey pictures
+LAYOUTS.update({
+    "fsdp-dp2-vl": ("actor.backend=fsdp",),
+    "fsdp-dp2-vl-blank": ("actor.backend=fsdp", "data.task=colors_blank"),
+})
 NPROC = 2
 VAL_KEY = "val/score/mean"
 REWARD_KEY = "reward/score/mean"
@@ -281,13 +287,14 @@ def train_command(layout: str, seed: int, steps: int, val_freq: int, run_dir: Pa
             "trainer.save_freq=0", *extra]
 
 
-def _ensure_task_data(config: str, out_dir: Path) -> list[str]:
-    """The config's task data, generated with seed 0 under ``out_dir/data`` when absent, so every seed trains and
-    validates on the same rows (train.py would otherwise generate it with the first run's trainer.seed); returns
-    the overrides that point the runs at it (none for a config without a task: its files are used as they are)."""
+def _ensure_task_data(config: str, out_dir: Path, overrides: list[str]) -> list[str]:
+    """The task data of the config with ``overrides`` (a layout may name its own task), generated with seed 0
+    under ``out_dir/data`` when absent, so every seed trains and validates on the same rows (train.py would
+    otherwise generate it with the first run's trainer.seed); returns the overrides that point the runs at it
+    (none for a config without a task: its files are used as they are)."""
     from rldispatch.config import load_config
 
-    d = load_config(config, []).data
+    d = load_config(config, overrides).data
     if not d.task:
         return []
     folder = out_dir / "data" / d.task
@@ -304,7 +311,6 @@ def run_study(layouts: list[str], seeds: list[int], steps: int, val_freq: int, o
     """Run every (layout, seed) not yet finished, one after another; record each run's wall time."""
     walls = _read_walls(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    extra = [*_ensure_task_data(config, out_dir), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for layout in layouts:
         for seed in seeds:
@@ -316,7 +322,8 @@ def run_study(layouts: list[str], seeds: list[int], steps: int, val_freq: int, o
                 import shutil
 
                 shutil.rmtree(run_dir)  # a partial or stale run: its metrics would mix with the new one's
-            cmd = train_command(layout, seed, steps, val_freq, run_dir, config, extra)
+            data = _ensure_task_data(config, out_dir, [*LAYOUTS[layout], *extra])
+            cmd = train_command(layout, seed, steps, val_freq, run_dir, config, [*data, *extra])
             print(f"[{layout} seed {seed}] {shlex.join(cmd)}", flush=True)
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True)

@@ -3,8 +3,15 @@
 
 The folder is what a real checkpoint carries: ``config.json`` + safetensors (transformers'
 ``Qwen2VLForConditionalGeneration``, its own initialisation under ``seed``), a tokenizer (the character tokenizer
-plus the vision special tokens, with its chat template) and the image processor (transformers' Qwen2-VL one with
-4-pixel patches: a 28 x 28 picture becomes 8 x 8 patches, 16 image tokens).
+plus the vision special tokens, with its chat template, and the ``colors`` task's colour names as whole-word tokens,
+as a BPE vocabulary holds common words) and the image processor (transformers' Qwen2-VL one with 4-pixel patches: a
+28 x 28 picture becomes 8 x 8 patches, 16 image tokens).
+
+``format_steps`` > 0 first teaches the answer format, not the answer, as an instruct checkpoint knows its format
+before RL: supervised steps on ``colors_blank`` rows (grey pictures) whose target is one of the two named colours
+drawn at random, then eos. The model then names either colour about half of the time whatever the picture, and
+only RL on real pictures can tell it which. From random weights a policy this small rarely samples a colour name
+followed by eos, and GRPO's groups collapse onto whatever string it settled on first (docs/multimodal.md).
 """
 from __future__ import annotations
 
@@ -18,12 +25,13 @@ VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video
 
 
 def write_tiny_vl(out: str, *, seed: int = 0, hidden_size: int = 64, layers: int = 2, vision_width: int = 32,
-                  vision_depth: int = 2, patch_size: int = 4) -> list[str]:
+                  vision_depth: int = 2, patch_size: int = 4, format_steps: int = 0) -> list[str]:
     """Write the folder ``out`` (created; must not hold a model already); returns its files."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from protocol.rollout.tasks.colors import COLORS
     from protocol.rollout.tokenizer import CharTokenizer
 
     if os.path.isfile(os.path.join(out, "config.json")):
@@ -33,8 +41,9 @@ def write_tiny_vl(out: str, *, seed: int = 0, hidden_size: int = 64, layers: int
         chars.save_pretrained(tmp)
         tok = transformers.AutoTokenizer.from_pretrained(tmp)
     tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tok.add_tokens(sorted(COLORS))  # whole words, read wherever the text has them
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    vocab = chars.vocab_size + len(VISION_TOKENS)
+    vocab = len(tok)
     heads = max(1, hidden_size // 16)
     head_dim = hidden_size // heads
     quarter = head_dim // 2 // 4  # M-RoPE: a quarter of the rotary frequencies temporal, the rest split in two
@@ -56,7 +65,40 @@ def write_tiny_vl(out: str, *, seed: int = 0, hidden_size: int = 64, layers: int
     processor = Qwen2VLImageProcessorPil(patch_size=patch_size, temporal_patch_size=2, merge_size=2,
                                          min_pixels=4 * unit * unit, max_pixels=64 * unit * unit)
     os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out)
     tok.save_pretrained(out)
     processor.save_pretrained(out)
+    if format_steps:
+        _teach_format(model, out, format_steps, seed)
+    model.save_pretrained(out)
     return sorted(os.listdir(out))
+
+
+def _teach_format(model, folder: str, steps: int, seed: int, batch: int = 16, lr: float = 1e-3) -> None:
+    """Supervised steps on grey-picture ``colors`` rows, each target a randomly chosen named colour + eos."""
+    import random
+
+    import torch
+
+    from protocol.rollout.images import VisionProcessor, load_image_processor, open_images
+    from protocol.rollout.tasks import get_task
+    from protocol.rollout.tasks.colors import COLORS
+    from protocol.rollout.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    proc = VisionProcessor(load_image_processor(folder), tok)
+    task, rng = get_task("colors_blank"), random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step in range(steps):
+        opt.zero_grad()
+        for i in range(batch):
+            row = task.make_row(step * batch + i, rng)
+            ids, mm = proc(row["prompt"], open_images(row["images"], "format"), "format")
+            target = tok.encode(rng.choice(sorted(COLORS))) + [tok.eos_token_id]
+            seq = torch.tensor([ids + target])
+            labels = torch.tensor([[-100] * len(ids) + target])
+            out = model(input_ids=seq, labels=labels, pixel_values=mm["pixel_values"],
+                        image_grid_thw=mm["image_grid_thw"], mm_token_type_ids=(seq == proc.pad_id).int())
+            (out.loss / batch).backward()
+        opt.step()
+    model.eval()

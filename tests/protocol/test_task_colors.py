@@ -42,8 +42,11 @@ def test_blank_pictures_keep_prompts_and_answers():
 
 
 def test_scores():
+    """1 for the answer's name (one final eos allowed), 0 for anything else: naming the other colour, padding, a
+    half-way string."""
     task = get_task("colors")
     assert task.score("red", "red") == 1.0 and task.score("red<|eos|>", "red") == 1.0
-    assert task.score("blue", "red") < 1.0 and task.score("red red", "red") < 1.0
+    for wrong in ("blue", "red red", "red ", "rd", "", "<|pad|>red"):
+        assert task.score(wrong, "red") == 0.0
     with pytest.raises(ValueError, match="not one of"):
         task.score("red", "purple")

@@ -217,3 +217,20 @@ def test_shipped_smollm2_config_trains_a_converted_folder_on_two_ranks(torchrun,
     result = json.loads((tmp_path / "rescore.json").read_text())
     assert result["prompts"] == 4 and result["run_step"] == 1
     assert result["transformers_val"] == result["run_val"] == last["val/score/mean"]
+
+
+def test_vl_tiny_is_written_locally_and_never_over_a_model(tmp_path, monkeypatch, capsys):
+    """``rldispatch models vl_tiny`` writes a Qwen2-VL folder the policy loads (weights, tokenizer, image
+    processor); a folder already holding a model is refused (exit 2, named). One format step keeps it quick."""
+    import rldispatch.commands.models as models
+    from backends.model.vision import load_vl_checkpoint
+    from protocol.rollout.images import load_image_processor
+
+    monkeypatch.setattr(models, "VL_TINY_FORMAT_STEPS", 1)
+    out = tmp_path / "vl"
+    assert main(["vl_tiny", "--out", str(out)]) == 0
+    assert "vl_tiny: written in" in capsys.readouterr().out
+    model = load_vl_checkpoint(str(out))
+    assert model.vl.vision.patch_size == 4 and load_image_processor(str(out)).merge_size == 2
+    assert main(["vl_tiny", "--out", str(out)]) == 2
+    assert "already holds a model" in capsys.readouterr().err

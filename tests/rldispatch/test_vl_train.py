@@ -20,8 +20,10 @@ CONFIG = REPO / "rldispatch" / "configs" / "grpo_vl_tiny.yaml"
 def vl_folder(tmp_path_factory):
     from backends.model.tiny_vl import write_tiny_vl
 
+    from rldispatch.commands.models import VL_TINY_FORMAT_STEPS
+
     out = tmp_path_factory.mktemp("vl") / "vl_tiny"
-    write_tiny_vl(str(out), seed=0)
+    write_tiny_vl(str(out), seed=0, format_steps=VL_TINY_FORMAT_STEPS)  # what `rldispatch models vl_tiny` writes
     return str(out)
 
 
@@ -81,8 +83,8 @@ def _write(rows: list[dict], path: Path) -> None:
 @pytest.mark.dist
 def test_a_batch_mixing_zero_one_and_two_images_trains_on_two_ranks(torchrun, vl_folder, tmp_path):
     """Rows with 0, 1 and 2 images in every batch, 2 ranks (DP=2), 3 steps with the tower trained: the run
-    finishes (FSDP would hang were the ranks' micro-batch counts unequal), every step trains, and the images moved
-    the vision tower's weights (the exported checkpoint differs from the folder's there)."""
+    finishes (FSDP would hang were the ranks' micro-batch counts unequal), every step trains, and
+    every step's clear leaves the store empty (the prompt keys holding the images included)."""
     _write(_mixed_rows(48, 0), tmp_path / "data" / "train.parquet")
     _write(_mixed_rows(12, 1), tmp_path / "data" / "val.parquet")
     run = tmp_path / "run"
@@ -96,4 +98,35 @@ def test_a_batch_mixing_zero_one_and_two_images_trains_on_two_ranks(torchrun, vl
     steps = [r for r in records if "actor/optimizer_steps" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["actor/micro_batches"] >= 2 for r in steps)
+    assert all(r["store/keys_after_clear"] == 0 for r in steps), "the prompt keys and their images are cleared"
     assert any("val/score/mean" in r for r in records)
+
+
+def test_vl_tiny_knows_the_format_not_the_answer(vl_folder):
+    """Format teaching on grey pictures: at the answer position the four colour names (4 of 136 tokens, 3% of a
+    uniform distribution) hold a quarter of the probability or more on average over real pictures, and no colour
+    takes half of it (the model has not learned which one)."""
+    import torch
+
+    from backends.model.vision import load_vl_checkpoint, packed_vl_inputs
+    from protocol.rollout.images import VisionProcessor, load_image_processor, open_images
+    from protocol.rollout.tasks import get_task
+    from protocol.rollout.tasks.colors import COLORS
+    from protocol.rollout.tokenizer import load_tokenizer
+
+    out = vl_folder
+    model, tok = load_vl_checkpoint(out), load_tokenizer(out)
+    proc = VisionProcessor(load_image_processor(out), tok)
+    words = [tok.encode(c)[0] for c in sorted(COLORS)]
+    assert all(len(tok.encode(c)) == 1 for c in COLORS), "colour names are whole-word tokens"
+    rows = [get_task("colors").make_row(i, random.Random(i)) for i in range(16)]
+    mass = []
+    for row in rows:
+        ids, mm = proc(row["prompt"], open_images(row["images"], "r"), "r")
+        seq = torch.tensor(ids)
+        pos, extra = packed_vl_inputs(model.vl, [seq], [(mm["pixel_values"], mm["image_grid_thw"])], "cpu")
+        with torch.no_grad():
+            p = model(seq, pos, torch.tensor([0, len(seq)], dtype=torch.int32), **extra)[-1].softmax(-1)[words]
+        assert p.max() < 0.5, p.tolist()
+        mass.append(float(p.sum()))
+    assert sum(mass) / len(mass) > 0.25, mass

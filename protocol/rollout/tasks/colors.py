@@ -5,7 +5,10 @@ pictures (the control that shows the image matters).
 
 Rows carry the picture as PNG bytes in an ``images`` column (the ``{"bytes", "path"}`` record Hugging Face
 datasets write) and an ``<image>`` placeholder in the prompt. The score is 1 when the response (special tokens kept,
-one final eos removed) is the answer's colour name, else the string-match partial credit of the other tasks.
+one final eos removed) is the answer's colour name, else 0 (a verifiable reward, as the strict GSM8K rule).
+A policy blind to the picture scores 0.5 at best (naming one of the two colours); string credit towards the
+answer, as the other tasks give, would pay a policy that always names the same colour about half as much as one
+that reads the picture, and a small policy settles there (docs/multimodal.md).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.rollout.tasks.base import Task, TaskError, TaskExample, register_task
-from protocol.rollout.tasks.strings import normalize_response, string_score
+from protocol.rollout.tasks.strings import normalize_response
 
 __all__ = ["ColorsTask", "BlankColorsTask", "COLORS", "picture"]
 
@@ -47,7 +50,6 @@ class ColorsTask(Task):
 
     size: int = 28
     blank: bool = False
-    length_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 8:
@@ -71,25 +73,20 @@ class ColorsTask(Task):
             "prompt": self.messages(ex),
             "data_source": self.name,
             "images": [{"bytes": ex.params["picture"], "path": None}],
-            "extra_info": {"index": int(index), "split": split, "ground_truth": ex.ground_truth,
-                           **self.score_params()},
+            "extra_info": {"index": int(index), "split": split, "ground_truth": ex.ground_truth},
             "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
         }
-
-    def score_params(self) -> dict[str, Any]:
-        return {"length_weight": self.length_weight}
 
     def score(self, response_text: str, ground_truth: str, extra_info: dict | None = None) -> float:
         if ground_truth not in COLORS:
             raise TaskError(f"colors: ground truth {ground_truth!r} is not one of {sorted(COLORS)}")
-        w = float((extra_info or {}).get("length_weight", self.length_weight))
-        return string_score(normalize_response(response_text), ground_truth, w)
+        return 1.0 if normalize_response(response_text) == ground_truth else 0.0
 
 
 @register_task("colors_blank")
 @dataclass
 class BlankColorsTask(ColorsTask):
     """``colors`` with every picture grey: the same prompts and answers, nothing in the image to read (the control
-    run of a vision-language policy: it cannot beat choosing between the two named colours)."""
+    run of a vision-language policy: it cannot beat choosing one of the two named colours, 0.5)."""
 
     blank: bool = True
