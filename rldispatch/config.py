@@ -305,8 +305,6 @@ def _check_vision(cfg: RunConfig) -> None:
                                                   f"engine only; set rollout.engine=embedded)"),
                (cfg.actor.lora.rank > 0, "actor.lora.rank > 0 (set actor.lora.rank=0)"),
                (cfg.actor.fsdp.ulysses_sp > 1, "actor.fsdp.ulysses_sp > 1 (set it to 1)"),
-               (cfg.trainer.mode == "separate_async", "trainer.mode=separate_async (its transport carries no "
-                                                      "prompt images yet; use sync or colocate_async)"),
                (bool(cfg.critic.enabled), "a critic (algorithm.adv_estimator=gae / critic.enabled; use grpo)"),
                (cfg.reward.model.enabled, "reward.model (a text reward model would score without the images)"),
                (cfg.reward.judge.enable, "reward.judge (a text judge would answer without the images)")]

@@ -19,7 +19,8 @@ import torch
 
 from protocol.rollout.agent_loop import register_prompts
 from protocol.store.errors import LateWriteError
-from rldispatch.rollout import TRAIN, prompt_owners, session_kwargs
+from rldispatch.config import vision_config
+from rldispatch.rollout import TRAIN, prompt_inputs, prompt_owners, session_kwargs
 from rldispatch.schedules.base import Seams, register_schedule
 from rldispatch.schedules.streaming import StreamingSchedule
 from rldispatch.separate.transport import (POLL_S, Mailbox, Split, broadcast_weights, flat_weights, record_checksum,
@@ -61,9 +62,14 @@ class SeparateAsyncSchedule(StreamingSchedule):
         if not (self.main and uids):
             return
         kwargs = session_kwargs(self.seams.cfg, rows, uids, TRAIN)
+        vl = vision_config(self.seams.cfg)
+        inputs = prompt_inputs(rows, vl.vision if vl is not None else None) or [None] * len(rows)
+        for kw in kwargs:  # a prompt's images travel once, in its inputs; the rollout rank rebuilds them
+            kw.pop("images", None)
         for n, p in enumerate(self.peers):
             picked = range(n, len(uids), len(self.peers))
-            items = [(uids[i], rows[i]["raw_prompt"], kwargs[i], owners[i]) for i in picked]
+            items = [(uids[i], rows[i].get("prompt_ids", rows[i]["raw_prompt"]), kwargs[i], owners[i], inputs[i])
+                     for i in picked]
             if items:
                 self.mail.post(p, ("submit", step, seed_batch, items))
 
@@ -106,9 +112,12 @@ class SeparateAsyncSchedule(StreamingSchedule):
         if not keep:
             return 0
         store, uids = self.seams.store, header["uids"]
+        trajectories, images = unpack_fields(header, payload)
         try:
             if header["keys"]:
-                store.kv_batch_put(header["keys"], TRAIN, unpack_fields(header, payload), header["tags"])
+                store.kv_batch_put(header["keys"], TRAIN, trajectories, header["tags"])
+            if images is not None:  # a vision-language group's images, once, on its prompt key
+                store.kv_batch_put(header["image_uids"], TRAIN, images)
             store.kv_batch_put(uids, TRAIN, tags=header["prompt_tags"])
         except LateWriteError:  # cleared meanwhile (shutdown): nothing of it is trained
             logger.warning("groups %s arrived after they were cleared; dropped", uids[:3])

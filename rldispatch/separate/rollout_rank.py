@@ -8,11 +8,12 @@ from typing import Any
 import torch
 
 from backends.rollout import build_rollout_engine
-from protocol.rollout.agent_loop import register_prompts
+from protocol.fields import IMAGE_GRID_THW, PIXEL_VALUES
+from protocol.rollout.agent_loop import PromptInputs, register_prompts
 from protocol.rollout.tokenizer import load_tokenizer, resolve_tokenizer
 from protocol.store import LocalStore
 from protocol.store.keys import is_prompt_key
-from rldispatch.config import RunConfig
+from rldispatch.config import RunConfig, vision_config
 from rldispatch.rollout import DRIVE_SLICE_S, TRAIN, LocalRollout
 from rldispatch.separate.transport import (HEARTBEAT_S, POLL_S, TERMINAL, Mailbox, Split, pack_groups,
                                            receive_weights, record_checksum, weights_checksum)
@@ -34,11 +35,14 @@ class RolloutRank:
         self.trainers = list(range(split.train_ranks))  # every training rank may own groups (and acknowledges them)
         self.owner: dict[str, int] = {}  # uid -> the training rank its group goes to
         tokenizer = load_tokenizer(resolve_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
-        engine = build_rollout_engine(cfg.rollout.engine, cfg.model, tokenizer, device=split.device,
+        self.vl = vision_config(cfg)  # a vision-language policy: its prompts come with their images
+        engine = build_rollout_engine(cfg.rollout.engine, self.vl or cfg.model, tokenizer, device=split.device,
                                       seed=cfg.trainer.seed, rank=self.index, options=cfg.rollout)
         self.store = LocalStore()
         self.rollout = LocalRollout(cfg, engine, tokenizer, self.store, rank=self.index,
-                                    partial=cfg.rollout.partial_rollout is not False)
+                                    partial=cfg.rollout.partial_rollout is not False,
+                                    vision=self.vl.vision if self.vl is not None else None)
+        self.image_uids: set[str] = set()  # groups whose prompt key holds images (shipped with them)
         # per owner: payloads sent and not yet acknowledged (gloo send works cannot be polled), kept alive, and how
         # many it has received
         self.sends: dict[int, list[tuple[torch.Tensor, Any]]] = {t: [] for t in self.trainers}
@@ -80,14 +84,22 @@ class RolloutRank:
             self.rollout.close()
 
     # ---- messages ---------------------------------------------------------------------------------------------
-    def _on_submit(self, _src: int, step: int, seed_batch: int | None, items: list[tuple[str, Any, dict, int]]
-                   ) -> None:
-        """Generate the prompts ``items`` ((uid, raw prompt, session kwargs, owner)), dispatched at ``step``."""
-        uids = [u for u, _, _, _ in items]
-        self.owner.update((u, owner) for u, _, _, owner in items)
+    def _on_submit(self, _src: int, step: int, seed_batch: int | None,
+                   items: list[tuple[str, Any, dict, int, PromptInputs | None]]) -> None:
+        """Generate the prompts ``items`` ((uid, prompt, session kwargs, owner, what the group stores once: a
+        vision-language prompt's images)), dispatched at ``step``."""
+        uids = [u for u, *_ in items]
+        self.owner.update((u, owner) for u, _, _, owner, _ in items)
+        inputs = [i for *_, i in items]
+        kwargs = [dict(kw) for _, _, kw, _, _ in items]
+        for uid, kw, given in zip(uids, kwargs, inputs):
+            if given is not None:  # the images travelled once, flattened, in the inputs
+                kw["images"] = (given.fields[PIXEL_VALUES].view(-1, self.vl.vision.patch_dim),
+                                given.fields[IMAGE_GRID_THW].view(-1, 3))
+                self.image_uids.add(uid)
         register_prompts(self.store, uids, step, TRAIN)
-        self.rollout.submit([p for _, p, _, _ in items], uids, TRAIN, step, [kw for _, _, kw, _ in items],
-                            seed_batch=seed_batch, wait=False)
+        self.rollout.submit([p for _, p, *_ in items], uids, TRAIN, step, kwargs, seed_batch=seed_batch,
+                            wait=False, inputs=inputs if any(i is not None for i in inputs) else None)
 
     def _on_weights(self, _src: int, version: int, spec: list[tuple[str, list[int], str]], sizes: list[int]) -> None:
         """Receive the broadcast that follows this message and load it as weights ``version``."""
@@ -107,7 +119,8 @@ class RolloutRank:
         for uid in ready:
             by_owner.setdefault(self.owner.pop(uid), []).append(uid)
         for owner, uids in sorted(by_owner.items()):
-            header, payload = pack_groups(self.store, uids)
+            header, payload = pack_groups(self.store, uids, self.image_uids.intersection(uids))
+            self.image_uids.difference_update(uids)
             header["stats"] = self._stats()
             self.mail.post(owner, ("groups", header))
             if payload.numel():

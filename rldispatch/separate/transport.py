@@ -28,13 +28,14 @@ import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from protocol.batch.nested import nested_from_values
+from protocol.fields import PROMPT_IMAGE_FIELDS
 from protocol.store import LocalStore
 from protocol.store.keys import TERMINAL_STATUSES, is_prompt_key
 from rldispatch.config import ConfigError, RunConfig
@@ -143,45 +144,58 @@ class Mailbox:
 
 
 # ---- what travels -------------------------------------------------------------------------------------------------
-def pack_groups(store: LocalStore, uids: list[str]) -> tuple[dict, torch.Tensor]:
+def pack_groups(store: LocalStore, uids: list[str], image_uids: Sequence[str] = ()) -> tuple[dict, torch.Tensor]:
     """The finished groups ``uids`` of ``store`` as (header, payload): the prompt tags, every trajectory key with its
-    tag, and each field's values and offsets in one uint8 buffer (the header says where)."""
+    tag, and each field's values and offsets in one uint8 buffer (the header says where); the images that those of
+    ``image_uids`` hold on their prompt keys (stored once per group) follow, as ``prompt_fields``."""
     listing = store.kv_list(TRAIN)[TRAIN]
     wanted = set(uids)
     keys = [k for k in listing if not is_prompt_key(k) and k.split("_", 1)[0] in wanted]
+    with_images = [u for u in uids if u in set(image_uids)]
     header: dict[str, Any] = {"uids": uids, "prompt_tags": [listing[u] for u in uids], "keys": keys,
-                              "tags": [listing[k] for k in keys], "fields": []}
+                              "tags": [listing[k] for k in keys], "image_uids": with_images}
     chunks: list[torch.Tensor] = []
-    if keys:
-        for name, (values, offsets) in store.kv_batch_get_packed(keys, TRAIN, None).items():
-            entry = [name, str(values.dtype).removeprefix("torch."), list(values.shape), None]
-            chunks.append(values.contiguous().reshape(-1).view(torch.uint8))
-            if offsets is not None:
-                entry[3] = offsets.numel()
-                chunks.append(offsets.to(torch.int64).contiguous().view(torch.uint8))
-            header["fields"].append(entry)
+    header["fields"] = _pack(store, keys, None, chunks)
+    header["prompt_fields"] = _pack(store, with_images, list(PROMPT_IMAGE_FIELDS), chunks)
     payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
     header["nbytes"] = payload.numel()
     return header, payload
 
 
-def unpack_fields(header: dict, payload: torch.Tensor) -> TensorDict | None:
-    """The fields of :func:`pack_groups`'s keys, as the store's batch (jagged where they were)."""
-    if not header["keys"]:
-        return None
-    at, fields = 0, {}
-    for name, dtype, shape, n_offsets in header["fields"]:
-        dt = getattr(torch, dtype)
-        size = int(torch.Size(shape).numel()) * dt.itemsize
-        values = payload[at:at + size].clone().view(dt).reshape(shape)  # a copy of its own: aligned for its dtype
-        at += size
-        if n_offsets is None:
-            fields[name] = values
-        else:
-            offsets = payload[at:at + n_offsets * 8].clone().view(torch.int64)
-            at += n_offsets * 8
-            fields[name] = nested_from_values(values, offsets)
-    return TensorDict(fields, batch_size=[len(header["keys"])])
+def _pack(store: LocalStore, keys: list[str], fields: list[str] | None, chunks: list[torch.Tensor]) -> list:
+    """Append ``fields`` (None: all) of ``keys`` to ``chunks``; the header entries that say where they are."""
+    entries: list = []
+    if not keys:
+        return entries
+    for name, (values, offsets) in store.kv_batch_get_packed(keys, TRAIN, fields).items():
+        entry = [name, str(values.dtype).removeprefix("torch."), list(values.shape), None]
+        chunks.append(values.contiguous().reshape(-1).view(torch.uint8))
+        if offsets is not None:
+            entry[3] = offsets.numel()
+            chunks.append(offsets.to(torch.int64).contiguous().view(torch.uint8))
+        entries.append(entry)
+    return entries
+
+
+def unpack_fields(header: dict, payload: torch.Tensor) -> tuple[TensorDict | None, TensorDict | None]:
+    """The fields of :func:`pack_groups`'s trajectory keys and of its ``image_uids`` prompt keys, as the store's
+    batches (jagged where they were; None for no keys)."""
+    at, out = 0, []
+    for keys, entries in ((header["keys"], header["fields"]), (header["image_uids"], header["prompt_fields"])):
+        fields = {}
+        for name, dtype, shape, n_offsets in entries:
+            dt = getattr(torch, dtype)
+            size = int(torch.Size(shape).numel()) * dt.itemsize
+            values = payload[at:at + size].clone().view(dt).reshape(shape)  # a copy of its own: aligned for its dtype
+            at += size
+            if n_offsets is None:
+                fields[name] = values
+            else:
+                offsets = payload[at:at + n_offsets * 8].clone().view(torch.int64)
+                at += n_offsets * 8
+                fields[name] = nested_from_values(values, offsets)
+        out.append(TensorDict(fields, batch_size=[len(keys)]) if keys else None)
+    return out[0], out[1]
 
 
 def flat_weights(weights: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], device: torch.device

@@ -152,11 +152,13 @@ def test_separate_async_groups_go_to_the_training_rank_that_owns_them(process_tr
 
 def test_groups_travel_whole_and_unchanged():
     """What a rollout rank sends of its finished groups is what its store holds: jagged fields jagged, dense dense,
-    every tag, bytes equal (fields of several dtypes, so their offsets in the payload are not aligned)."""
+    every tag, bytes equal (fields of several dtypes, so their offsets in the payload are not aligned), and a
+    vision-language group's images from its prompt key, once."""
     import torch
     from tensordict import TensorDict
 
     from protocol.batch.nested import to_nested
+    from protocol.fields import IMAGE_GRID_THW, PIXEL_VALUES
     from protocol.store import LocalStore
     from rldispatch.separate.transport import pack_groups, unpack_fields
 
@@ -171,11 +173,14 @@ def test_groups_travel_whole_and_unchanged():
     store.kv_batch_put(["aa", "bb", "cc"], "train", tags=[{"is_prompt": True, "status": "finished",
                                                            "global_steps": 3}] * 3)
     store.kv_batch_put(keys, "train", fields, tags=[{"response_len": n, "min_global_steps": 3} for n in lengths])
-    header, payload = pack_groups(store, ["aa", "bb"])
+    pixels = torch.randn(2 * 4 * 12)  # group bb's images, once on its prompt key (aa has none)
+    grids = torch.tensor([1, 2, 2, 1, 2, 2])
+    store.kv_batch_put(["bb"], "train", {PIXEL_VALUES: [pixels], IMAGE_GRID_THW: [grids]})
+    header, payload = pack_groups(store, ["aa", "bb"], image_uids={"bb", "cc"})
     assert header["keys"] == keys and header["uids"] == ["aa", "bb"] and payload.numel() == header["nbytes"]
-    assert header["tags"] == store.kv_batch_get_tags(keys, "train")
+    assert header["tags"] == store.kv_batch_get_tags(keys, "train") and header["image_uids"] == ["bb"]
     assert header["prompt_tags"] == store.kv_batch_get_tags(["aa", "bb"], "train")
-    got = unpack_fields(header, payload.clone())
+    got, images = unpack_fields(header, payload.clone())
     want = store.kv_batch_get(keys, "train", jagged=["responses", "rollout_log_probs"])
     assert set(got.keys()) == set(want.keys())
     for name in want.keys():
@@ -183,6 +188,8 @@ def test_groups_travel_whole_and_unchanged():
         assert a.is_nested == b.is_nested and a.dtype == b.dtype, name
         for x, y in zip(a.unbind(), b.unbind()):
             assert torch.equal(x, y), name
+    assert torch.equal(images[PIXEL_VALUES][0], pixels) and torch.equal(images[IMAGE_GRID_THW][0], grids)
+    assert unpack_fields(*pack_groups(store, ["aa"]))[1] is None
 
 
 def test_mailbox_delivers_in_order_and_once():

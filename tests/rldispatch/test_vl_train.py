@@ -41,7 +41,6 @@ def test_the_config_reads_the_vision_language_folder(vl_folder):
     ("actor.backend=megatron", "actor.backend=megatron"),
     ("rollout.engine=vllm", "rollout.engine=vllm"),
     ("actor.lora.rank=4", "actor.lora.rank"),
-    ("trainer.mode=separate_async", "trainer.mode=separate_async"),
     ("algorithm.adv_estimator=gae", "a critic"),
 ])
 def test_what_a_vision_policy_cannot_run_is_refused_by_key(vl_folder, override, names):
@@ -80,11 +79,8 @@ def _write(rows: list[dict], path: Path) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-@pytest.mark.dist
-def test_a_batch_mixing_zero_one_and_two_images_trains_on_two_ranks(torchrun, vl_folder, tmp_path):
-    """Rows with 0, 1 and 2 images in every batch, 2 ranks (DP=2), 3 steps with the tower trained: the run
-    finishes (FSDP would hang were the ranks' micro-batch counts unequal), every step trains, and
-    every step's clear leaves the store empty (the prompt keys holding the images included)."""
+def _train(torchrun, vl_folder, tmp_path, *overrides: str) -> list[dict]:
+    """Three steps of grpo_vl_tiny on 2 ranks over rows mixing 0, 1 and 2 images; the metrics records."""
     _write(_mixed_rows(48, 0), tmp_path / "data" / "train.parquet")
     _write(_mixed_rows(12, 1), tmp_path / "data" / "val.parquet")
     run = tmp_path / "run"
@@ -93,8 +89,27 @@ def test_a_batch_mixing_zero_one_and_two_images_trains_on_two_ranks(torchrun, vl
              f"data.val_files=[{tmp_path / 'data' / 'val.parquet'}]", "data.max_prompt_length=128",
              "trainer.total_steps=3", "trainer.val_freq=3", "trainer.save_freq=0", f"trainer.run_dir={run}",
              "trainer.progress_bar=false", "trainer.tensorboard=false", "actor.micro_batch_size_per_gpu=4",
-             "data.val_batch_size=12", timeout=240)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+             "data.val_batch_size=12", *overrides, timeout=240)
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
+def test_the_async_schedules_train_on_images(torchrun, vl_folder, tmp_path, mode):
+    """colocate_async (generation outliving the step, partial rollout with the images in every chunk) and
+    separate_async (rank 1 generating for rank 0: each prompt's images posted once, stored once per group, shipped
+    with the group) train 3 steps on rows with 0, 1 and 2 images (an image token without its pixels would stop
+    the old log-prob stage)."""
+    records = _train(torchrun, vl_folder, tmp_path, f"trainer.mode={mode}")
+    assert [r["step"] for r in records if "actor/optimizer_steps" in r] == [1, 2, 3]
+
+
+@pytest.mark.dist
+def test_a_batch_mixing_zero_one_and_two_images_trains_on_two_ranks(torchrun, vl_folder, tmp_path):
+    """Rows with 0, 1 and 2 images in every batch, 2 ranks (DP=2), 3 steps with the tower trained: the run
+    finishes (FSDP would hang were the ranks' micro-batch counts unequal), every step trains, and
+    every step's clear leaves the store empty (the prompt keys holding the images included)."""
+    records = _train(torchrun, vl_folder, tmp_path)
     steps = [r for r in records if "actor/optimizer_steps" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["actor/micro_batches"] >= 2 for r in steps)
