@@ -3,10 +3,12 @@
 Vocabulary:
 
 * **prompt key** ``{uid}`` – one dataset prompt (a GRPO group). Its tag: ``is_prompt=True``, ``status``,
-  ``global_steps`` (the trainer step at which the prompt was taken from the dataset).
+  ``global_steps`` (the trainer step at which the prompt was taken from the dataset). Its fields: what the group
+  shares, stored once (a vision-language prompt's images, ``protocol.fields.PROMPT_IMAGE_FIELDS``); usually none.
 * **trajectory key** ``{uid}_{session_id}_{index}`` – output ``index`` of rollout session ``session_id``
   (``0 <= session_id < rollout.n``) of prompt ``uid``. Its tag: ``prompt_len``, ``response_len``, ``seq_len``,
-  ``global_steps``, ``min_global_steps``, ``max_global_steps``, ``is_padding``.
+  ``global_steps``, ``min_global_steps``, ``max_global_steps``, ``is_padding``; a vision-language trajectory's also
+  ``vision_spans`` (its prompt's images' attention spans, in patches, which the dispatch's workload counts).
 
 A uid never contains ``_``; that is what makes a trajectory key parse back unambiguously.
 
