@@ -64,10 +64,8 @@ def _workload(cfg: RunConfig, hidden: int) -> WorkloadModel:
     if vl is None:
         return work
     v = vl.vision
-    swiglu = v.family == "qwen2_5_vl"
-    return work.with_vision(width=v.embed_dim, mlp_matrices=3 if swiglu else 2,
-                            mlp_width=v.intermediate_size if swiglu else int(v.embed_dim * v.mlp_ratio),
-                            blocks=v.depth, decoder_layers=vl.text.num_layers)
+    return work.with_vision(width=v.embed_dim, mlp_matrices=v.mlp_matrices, mlp_width=v.mlp_width, blocks=v.depth,
+                            decoder_layers=vl.text.num_layers)
 
 
 @dataclass

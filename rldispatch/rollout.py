@@ -42,16 +42,18 @@ def prompt_owners(count: int, holders: Sequence[int]) -> list[int]:
     return [holders[i % len(holders)] for i in range(count)]
 
 
-def session_kwargs(cfg: RunConfig, rows: Sequence[dict], uids: Sequence[str], partition: str) -> list[dict]:
+def session_kwargs(cfg: RunConfig, rows: Sequence[dict], uids: Sequence[str], partition: str,
+                   images: bool = True) -> list[dict]:
     """What each prompt's sessions get besides the prompt: the tool loop's ``tools_kwargs`` of its row, a
-    vision-language row's processed images (``images``), and ``inject_failure`` for the groups
-    ``debug.inject_rollout_failures`` picks (training prompts only)."""
+    vision-language row's processed images (``images``; left out with ``images=False``, for a prompt whose images
+    travel in its :func:`prompt_inputs`), and ``inject_failure`` for the groups ``debug.inject_rollout_failures``
+    picks (training prompts only)."""
     frac = cfg.debug.inject_rollout_failures if partition == TRAIN else 0.0
     out = []
     for row, uid in zip(rows, uids):
         kw: dict[str, Any] = {}
         mm = row.get("multi_modal_inputs")
-        if mm:
+        if mm and images:
             kw["images"] = (mm["pixel_values"], mm["image_grid_thw"])
         if cfg.rollout.agent_loop == "tool":
             kw["tools_kwargs"] = (row.get("extra_info") or {}).get("tools_kwargs") or {}

@@ -89,6 +89,16 @@ class VisionConfig:
         """Values per flattened patch (a ``pixel_values`` row)."""
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
+    @property
+    def mlp_width(self) -> int:
+        """A block's MLP width: ``mlp_ratio`` x width (qwen2_vl) or ``intermediate_size`` (qwen2_5_vl's SwiGLU)."""
+        return self.intermediate_size if self.family == "qwen2_5_vl" else int(self.embed_dim * self.mlp_ratio)
+
+    @property
+    def mlp_matrices(self) -> int:
+        """A block's MLP matrices of width x mlp_width: 2, or 3 for the SwiGLU."""
+        return 3 if self.family == "qwen2_5_vl" else 2
+
 
 @dataclass(frozen=True)
 class VLConfig:
@@ -251,7 +261,7 @@ class _VisionAttention(nn.Module):
 class _VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        hidden = cfg.mlp_width
         self.fc1 = nn.Linear(cfg.embed_dim, hidden)
         self.fc2 = nn.Linear(hidden, cfg.embed_dim)
 
@@ -263,9 +273,9 @@ class _VisionMLP(nn.Module):
 class _VisionSwiGLU(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.embed_dim, cfg.intermediate_size)
-        self.up_proj = nn.Linear(cfg.embed_dim, cfg.intermediate_size)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.embed_dim)
+        self.gate_proj = nn.Linear(cfg.embed_dim, cfg.mlp_width)
+        self.up_proj = nn.Linear(cfg.embed_dim, cfg.mlp_width)
+        self.down_proj = nn.Linear(cfg.mlp_width, cfg.embed_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -61,11 +61,10 @@ class SeparateAsyncSchedule(StreamingSchedule):
             register_prompts(self.seams.store, mine, step, TRAIN)
         if not (self.main and uids):
             return
-        kwargs = session_kwargs(self.seams.cfg, rows, uids, TRAIN)
+        # a prompt's images travel once, in its inputs; the rollout rank gives them to its sessions
+        kwargs = session_kwargs(self.seams.cfg, rows, uids, TRAIN, images=False)
         vl = vision_config(self.seams.cfg)
         inputs = prompt_inputs(rows, vl.vision if vl is not None else None) or [None] * len(rows)
-        for kw in kwargs:  # a prompt's images travel once, in its inputs; the rollout rank rebuilds them
-            kw.pop("images", None)
         for n, p in enumerate(self.peers):
             picked = range(n, len(uids), len(self.peers))
             items = [(uids[i], rows[i].get("prompt_ids", rows[i]["raw_prompt"]), kwargs[i], owners[i], inputs[i])

@@ -33,8 +33,11 @@ def test_the_config_reads_the_vision_language_folder(vl_folder):
     assert vl is not None and cfg.model == vl.text and cfg.model.hidden_size == 64
     engine = cfg.engine_config()
     assert engine.vision == vl and engine.freeze_vision_tower
-    work = __import__("rldispatch.plan", fromlist=["batch_settings"])
-    assert work._workload(cfg, 64).vision_linear > 0, "the plan counts the vision tower's cost"
+    from rldispatch.plan import batch_settings
+    from dispatch import Topology
+
+    work = batch_settings(cfg, Topology.from_config(cfg.actor.parallel, 2), step=0).workload
+    assert work.vision_linear > 0, "the plan counts the vision tower's cost"
 
 
 @pytest.mark.parametrize("override, names", [
